@@ -1,0 +1,463 @@
+"""Typed run configuration: one dataclass per Hydra config group, plus the cross-group checks.
+
+The YAML files under ``conf/`` pick values; these schemas say which keys exist, their types and
+their defaults. Hydra refuses unknown keys and wrong types while composing; ``check()`` then
+finds every cross-key problem at once so the user fixes them in one go.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class OffloadDevice(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Dtype(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class ParallelMode(str, enum.Enum):
+    dp = "dp"
+    pipeline = "pipeline"
+
+
+class LauncherName(str, enum.Enum):
+    deepspeed = "deepspeed"
+    torchrun = "torchrun"
+
+
+class Schedule(str, enum.Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class GateMode(str, enum.Enum):
+    strict = "strict"
+    warn = "warn"
+    off = "off"
+    autofit = "autofit"
+
+
+class Family(str, enum.Enum):
+    gpt2 = "gpt2"
+    bert = "bert"
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """ZeRO stage 0-3: what is partitioned across data-parallel ranks (0 nothing, 1 optimizer
+    states, 2 + gradients, 3 + parameters)."""
+    reduce_bucket_size: Optional[int] = None
+    """Elements per gradient-reduce bucket. None: hidden², as HF's "auto" does; DeepSpeed's own
+    default of 5e8 costs ~1 GiB in 16-bit and makes CPU runs crawl."""
+    allgather_bucket_size: Optional[int] = None
+    """Elements per all-gather bucket (stage 1-2). None: hidden²."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward. Costs extra bucket buffers (4.5x the bucket)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    stage3_prefetch_bucket_size: Optional[int] = None
+    """Stage 3: elements prefetched ahead of use. None: 0.9·hidden²."""
+    stage3_param_persistence_threshold: Optional[int] = None
+    """Stage 3: parameters smaller than this stay whole on every rank. None: 10·hidden."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: upper bound of gathered parameters alive at once."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """Stage 3: keep a gathered parameter if it is reused within this many elements."""
+
+
+@dataclass
+class OffloadConfig:
+    device: OffloadDevice = OffloadDevice.none
+    """Where optimizer states (and with ZeRO-3, parameters) live: none (accelerator), cpu, nvme."""
+    params: Optional[bool] = None
+    """Offload parameters too (ZeRO-3 only). None: yes with ZeRO-3; true below stage 3 is refused."""
+    nvme_path: str = ""
+    """Directory for NVMe offload swap files. Empty: <run dir>/nvme_swap."""
+    pin_memory: bool = True
+    """Pin host buffers: faster transfers, but pinned RAM cannot be swapped out."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Dtype = Dtype.fp32
+    """Training precision of the module: fp32, fp16 (loss-scaled) or bf16."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 selects dynamic loss scaling; a positive value is a static scale."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic scale never drops below this."""
+
+
+@dataclass
+class ParallelConfig:
+    mode: ParallelMode = ParallelMode.dp
+    """dp: data parallel (ZeRO shards over all ranks); pipeline: model split into stages."""
+    stages: int = 1
+    """Pipeline stages (pipeline mode)."""
+    micro_batches: int = 0
+    """Pipeline micro-batches per optimizer step; 0 derives it from the batch sizes."""
+    partition: str = "parameters"
+    """Pipeline layer partitioning: parameters | uniform."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Short name of this model file (tiny-gpt2, gpt2, ...)."""
+    family: Family = Family.gpt2
+    """Architecture family: gpt2 (causal LM) or bert (encoder)."""
+    name_or_path: str = ""
+    """Hub name or local directory of a Hugging Face checkpoint, used when pretrained=true."""
+    pretrained: bool = False
+    """true: load weights (and tokenizer) from name_or_path; false: random init from the architecture below."""
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    max_positions: int = MISSING
+    type_vocab_size: int = 2
+    """BERT only: token-type embeddings."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention and residuals (HF's default)."""
+    num_labels: int = 2
+    """Sequence classification: number of classes."""
+
+
+@dataclass
+class LauncherConfig:
+    name: LauncherName = LauncherName.deepspeed
+    """deepspeed: the DeepSpeed CLI; torchrun: torch.distributed.run."""
+    nproc_per_node: Optional[int] = None
+    """Ranks per node. None: one per GPU; without GPUs, CPU ranks (min(2, cores))."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    """None: a free port on this machine."""
+    hostfile: str = ""
+    """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all ranks. None: micro_batch_size × data-parallel ranks.
+    Gradient accumulation = global / (micro × data-parallel ranks); it must divide."""
+    lr: float = 3e-4
+    lr_schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    """cosine: the LR decays to lr × min_lr_ratio."""
+    weight_decay: float = 0.01
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+    save_every: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep this many complete checkpoints; older ones are deleted."""
+    resume: bool = False
+    """Resume from the newest complete checkpoint of this experiment (see resume_from)."""
+    resume_from: str = ""
+    """A run dir or checkpoint dir to resume from. Empty: this run dir, else the newest run
+    of the same experiment name that has a complete checkpoint."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    progress: bool = True
+    """Progress bar on rank 0."""
+    export: bool = True
+    """Save the final model (and tokenizer) in Hugging Face format under <run dir>/export."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    """A label for the data set (the run dir and cache use it)."""
+    path: str = ""
+    """A local file (txt, jsonl, csv). Empty: the synthetic corpus the project makes."""
+    format: str = "auto"
+    """auto (from the file suffix) | txt | jsonl | csv."""
+    text_column: str = "text"
+    label_column: str = "label"
+    seq_len: int = 128
+    """Tokens per training sequence (packed for causal LM)."""
+    val_fraction: float = 0.05
+    """Fraction held out for validation (carved with the seed)."""
+    synthetic_docs: int = 4000
+    """Documents in the synthetic corpus."""
+    tokenizer: str = "auto"
+    """auto: the model's own tokenizer when pretrained, else a byte-level BPE trained on the
+    corpus (cached). Or a hub name / local tokenizer directory."""
+    tokenizer_vocab: int = 4096
+    """Vocabulary of the trained BPE (capped at the model's vocab_size)."""
+    cache_dir: str = ""
+    """Where tokenized data is cached. Empty: $ZERORUN_CACHE or ~/.cache/zerorun."""
+
+
+@dataclass
+class HardwareConfig:
+    """What to plan for. None: detect this machine."""
+    gpus_per_node: Optional[int] = None
+    gpu_mem_gib: Optional[float] = None
+    nodes: Optional[int] = None
+    host_mem_gib: Optional[float] = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    name: str = "${model.name}"
+    """Experiment name: groups run dirs (outputs/<name>/<time>) and resume looks there."""
+    seed: int = 1234
+    dry_run: bool = False
+    """Compose, check, estimate, render and write the run dir; print the command; do not launch."""
+    gate: GateMode = GateMode.strict
+    """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed JSON merged over the rendered one (expert escape hatch; checked too)."""
+
+
+def register_schemas() -> None:
+    """Register the typed root schema; config.yaml lists it first so every group file is validated."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=RunConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+
+class ConfigError(ValueError):
+    """One or more problems in the composed config; each names key, value and fix."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        super().__init__("config is not valid:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class World:
+    """How many ranks the run has: decided by the launcher config and the machine."""
+
+    nproc_per_node: int
+    nnodes: int
+    accelerator: str  # "cuda" or "cpu"
+
+    @property
+    def size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """A plain, fully resolved RunConfig object (enums as enums) from a composed config."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    OmegaConf.resolve(merged)
+    return OmegaConf.to_object(merged)
+
+
+def data_parallel_size(cfg: RunConfig, world: World) -> int:
+    if cfg.parallel.mode == ParallelMode.pipeline:
+        return max(1, world.size // max(1, cfg.parallel.stages))
+    return world.size
+
+
+def global_batch(cfg: RunConfig, world: World) -> int:
+    return cfg.trainer.global_batch_size or cfg.trainer.micro_batch_size * data_parallel_size(cfg, world)
+
+
+def grad_accum_steps(cfg: RunConfig, world: World) -> int:
+    per_step = cfg.trainer.micro_batch_size * data_parallel_size(cfg, world)
+    return max(1, global_batch(cfg, world) // per_step)
+
+
+def libaio_available() -> bool:
+    """NVMe offload needs libaio at run time (DeepSpeed's async_io op)."""
+    import ctypes.util
+
+    return ctypes.util.find_library("aio") is not None
+
+
+def _writable_dir(path: str) -> bool:
+    """Whether a directory exists and is writable, or can be created."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return False
+        p = parent
+    return os.path.isdir(p) and os.access(p, os.W_OK)
+
+
+def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> List[str]:
+    """Every cross-key problem in the config, each a sentence with key, value and fix.
+
+    Pure except for two looks at the machine (libaio present, NVMe dir writable) which callers
+    can pass in. An empty list means the config can be launched.
+    """
+    problems: List[str] = []
+    z, off, prec, tr, m = cfg.zero, cfg.offload, cfg.precision, cfg.trainer, cfg.model
+
+    if z.stage not in (0, 1, 2, 3):
+        problems.append(f"zero.stage={z.stage}: ZeRO has stages 0-3. Fix: zero=stage0|stage1|stage2|stage3.")
+    if off.device != OffloadDevice.none and z.stage == 0:
+        problems.append(
+            f"offload={off.device.value} with zero.stage=0: DeepSpeed offloads only ZeRO-partitioned state. "
+            "Fix: zero=stage2 (optimizer offload) or zero=stage3 (parameters too), or offload=none."
+        )
+    if off.params and z.stage != 3:
+        problems.append(
+            f"offload.params=true with zero.stage={z.stage}: only ZeRO-3 partitions parameters, so only it can "
+            "offload them. Fix: zero=stage3, or offload.params=false (optimizer states still offload)."
+        )
+    if off.params and off.device == OffloadDevice.none:
+        problems.append("offload.params=true with offload=none: nowhere to offload to. Fix: offload=cpu or offload=nvme.")
+    if off.device == OffloadDevice.nvme and z.stage != 3:
+        problems.append(
+            f"offload=nvme with zero.stage={z.stage}: DeepSpeed's NVMe offload (ZeRO-Infinity) needs ZeRO-3. "
+            "Fix: zero=stage3, or offload=cpu."
+        )
+    if off.device == OffloadDevice.nvme:
+        if not (libaio_available() if libaio is None else libaio):
+            problems.append(
+                "offload=nvme: libaio is not installed, DeepSpeed's async I/O op cannot build. "
+                "Fix: apt-get install libaio-dev (Debian/Ubuntu), or offload=cpu."
+            )
+        if off.nvme_path and not _writable_dir(off.nvme_path):
+            problems.append(
+                f"offload.nvme_path={off.nvme_path}: not a writable directory. "
+                "Fix: point it at a directory on a local NVMe disk you can write to."
+            )
+    if prec.dtype != Dtype.fp16 and prec.loss_scale != 0:
+        problems.append(
+            f"precision.loss_scale={prec.loss_scale} with precision={prec.dtype.value}: loss scaling is for fp16 only. "
+            "Fix: precision=fp16, or drop precision.loss_scale."
+        )
+    if prec.loss_scale < 0:
+        problems.append(f"precision.loss_scale={prec.loss_scale}: must be 0 (dynamic) or a positive static scale.")
+    if prec.dtype == Dtype.fp16 and prec.min_loss_scale <= 0:
+        problems.append(f"precision.min_loss_scale={prec.min_loss_scale}: must be > 0. Fix: precision.min_loss_scale=1.")
+
+    for key, value in (("trainer.max_steps", tr.max_steps), ("trainer.micro_batch_size", tr.micro_batch_size),
+                       ("data.seq_len", cfg.data.seq_len)):
+        if value < 1:
+            problems.append(f"{key}={value}: must be at least 1.")
+    if tr.lr <= 0:
+        problems.append(f"trainer.lr={tr.lr}: must be positive. Fix: e.g. trainer.lr=3e-4.")
+    if tr.save_every < 0:
+        problems.append(f"trainer.save_every={tr.save_every}: must be 0 (only at the end) or a positive step count.")
+    if not 0 <= cfg.data.val_fraction < 1:
+        problems.append(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1).")
+
+    dp = data_parallel_size(cfg, world)
+    if tr.global_batch_size is not None and tr.micro_batch_size >= 1:
+        per_step = tr.micro_batch_size * dp
+        if tr.global_batch_size < per_step or tr.global_batch_size % per_step:
+            fit = max(1, tr.global_batch_size // per_step) * per_step
+            problems.append(
+                f"trainer.global_batch_size={tr.global_batch_size} is not a multiple of micro_batch_size × "
+                f"data-parallel ranks = {tr.micro_batch_size} × {dp} = {per_step}. "
+                f"Fix: trainer.global_batch_size={fit}, or a micro_batch_size that divides it."
+            )
+
+    if m.num_layers < 1 or m.hidden_size < 1 or m.num_heads < 1:
+        problems.append(f"model {m.name}: num_layers, hidden_size and num_heads must be positive.")
+    elif m.hidden_size % m.num_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}. "
+            "Fix: choose heads that divide the hidden size."
+        )
+    if cfg.data.seq_len > m.max_positions:
+        problems.append(
+            f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions} of {m.name}. "
+            f"Fix: data.seq_len={m.max_positions} or less."
+        )
+
+    if world.nproc_per_node < 1:
+        problems.append(f"launcher.nproc_per_node={world.nproc_per_node}: must be at least 1.")
+    if cfg.launcher.nnodes < 1:
+        problems.append(f"launcher.nnodes={cfg.launcher.nnodes}: must be at least 1.")
+    elif not 0 <= cfg.launcher.node_rank < cfg.launcher.nnodes:
+        problems.append(
+            f"launcher.node_rank={cfg.launcher.node_rank}: must be in [0, launcher.nnodes={cfg.launcher.nnodes})."
+        )
+    if cfg.parallel.mode == ParallelMode.pipeline:
+        problems.append(
+            "parallel=pipeline is not available yet in this version of zerorun. Fix: parallel=dp."
+        )
+
+    problems += _check_deepspeed_overrides(cfg.deepspeed, prec.dtype)
+    return problems
+
+
+# Top-level DeepSpeed keys zerorun renders itself; an override of these goes through the typed
+# groups instead, so the check and the estimator see the real value.
+_OWNED_DS_KEYS = {
+    "train_batch_size": "trainer.global_batch_size",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": "trainer.global_batch_size",
+    "zero_optimization": "zero=... / offload=...",
+    "fp16": "precision=fp16",
+    "bf16": "precision=bf16",
+}
+
+
+def _check_deepspeed_overrides(overrides: Dict[str, Any], dtype: Dtype) -> List[str]:
+    problems = []
+    for key in overrides:
+        enabled = isinstance(overrides[key], dict) and overrides[key].get("enabled")
+        if key in ("fp16", "bf16") and enabled and dtype not in (Dtype.fp32, Dtype(key)):
+            problems.append(
+                f"deepspeed.{key}.enabled=true with precision={dtype.value}: fp16 and bf16 cannot both be enabled. "
+                f"Fix: choose one, precision={key} or precision={dtype.value}, and drop deepspeed.{key}."
+            )
+        elif key in _OWNED_DS_KEYS:
+            problems.append(
+                f"deepspeed.{key}: zerorun renders this key from its config groups. Fix: set {_OWNED_DS_KEYS[key]} instead."
+            )
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+        elif node == "auto":
+            problems.append(f'{path}="auto": zerorun renders complete values. Fix: give a number or drop the key.')
+
+    walk(overrides, "deepspeed")
+    return problems

@@ -1,0 +1,108 @@
+"""LaunchPlan → (argv, env) for the deepspeed CLI or torchrun (pure), and run() (the side effect)."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+TRAIN_MODULE = "zerorun.train"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    launcher: str  # "deepspeed" | "torchrun"
+    run_dir: str
+    nproc_per_node: int
+    accelerator: str  # "cuda" | "cpu"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    hostfile: str = ""
+    threads_per_rank: int = 1
+    bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
+
+
+def _exe(plan: LaunchPlan, name: str) -> str:
+    if plan.bin_dir:
+        candidate = os.path.join(plan.bin_dir, name)
+        if os.path.exists(candidate):
+            return candidate
+    return name
+
+
+def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
+    """The argv and the environment additions that start every rank of the plan.
+
+    Ranks get only the run dir: no Hydra argv, and ``--no_local_rank`` so DeepSpeed does not
+    append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
+    """
+    env = {
+        "OMP_NUM_THREADS": str(plan.threads_per_rank),
+        "MKL_NUM_THREADS": str(plan.threads_per_rank),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if plan.accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    if plan.launcher == "deepspeed":
+        argv = [_exe(plan, "deepspeed")]
+        if plan.hostfile:
+            argv += ["--hostfile", plan.hostfile, "--num_nodes", str(plan.nnodes),
+                     "--master_addr", plan.master_addr]
+        elif plan.nnodes > 1:
+            # Without a hostfile each node is started by hand (or by Slurm), one launcher per node.
+            argv += ["--num_nodes", str(plan.nnodes), "--node_rank", str(plan.node_rank),
+                     "--master_addr", plan.master_addr, "--no_ssh"]
+        argv += ["--num_gpus", str(plan.nproc_per_node), "--master_port", str(plan.master_port),
+                 "--no_local_rank", "--module", TRAIN_MODULE, plan.run_dir]
+        return argv, env
+    if plan.launcher == "torchrun":
+        argv = [_exe(plan, "torchrun"), "--nproc-per-node", str(plan.nproc_per_node)]
+        if plan.nnodes > 1:
+            argv += ["--nnodes", str(plan.nnodes), "--node-rank", str(plan.node_rank),
+                     "--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
+        else:
+            argv += ["--nnodes", "1", "--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
+        argv += ["-m", TRAIN_MODULE, plan.run_dir]
+        return argv, env
+    raise ValueError(f"unknown launcher {plan.launcher!r}")
+
+
+def shell_line(argv: List[str], env: Dict[str, str]) -> str:
+    """The command as one copy-pasteable shell line."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())] + [shlex.quote(a) for a in argv])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run(argv: List[str], env: Dict[str, str], log_path: Optional[Path] = None) -> int:
+    """Start the launcher in its own process group and wait; Ctrl-C stops every rank."""
+    full_env = {**os.environ, **env}
+    proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def default_bin_dir() -> str:
+    return str(Path(sys.executable).parent)

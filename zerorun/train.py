@@ -1,0 +1,326 @@
+"""Rank entry point: ``python -m zerorun.train RUN_DIR`` (started by deepspeed or torchrun).
+
+Reads only the run dir the launcher wrote (config.yaml, ds_config.json, prepared.json), never
+Hydra's argv, so what was launched is exactly what trains. Writes metrics.jsonl, checkpoints,
+the exported Hugging Face model and summary.json.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from . import checkpoint
+from .config import Dtype, Family, RunConfig, to_run_config
+from .data import Prepared, RankSampler
+
+FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+class Trainer:
+    def __init__(self, run_dir: Path):
+        import deepspeed
+        import torch
+        from omegaconf import OmegaConf
+
+        self.torch, self.deepspeed = torch, deepspeed
+        self.run_dir = run_dir
+        self.cfg: RunConfig = to_run_config(OmegaConf.load(run_dir / "config.yaml"))
+        self.ds_config: Dict[str, Any] = json.loads((run_dir / "ds_config.json").read_text())
+        self.prepared = Prepared.load(run_dir)
+
+        deepspeed.init_distributed()
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        from deepspeed.accelerator import get_accelerator
+
+        self.accel = get_accelerator()
+        if self.accel.device_name() == "cuda":
+            self.accel.set_device(self.local_rank)
+
+    # ------------------------------------------------------------------ setup
+    def build(self) -> None:
+        torch, cfg = self.torch, self.cfg
+        _seed_everything(cfg.seed)  # identical initial weights on every rank
+        self._hf_ds_config = None
+        if cfg.zero.stage == 3:
+            # Keeps transformers' zero.Init active so large models are built already partitioned.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        from .models import build_model
+
+        model = build_model(cfg.model)
+        if cfg.trainer.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine, _, _, self.scheduler = self.deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config
+        )
+        self.device = self.engine.device
+        self.train_data = np.load(self.prepared.train, mmap_mode="r")
+        self.val_data = np.load(self.prepared.val, mmap_mode="r")
+        self.sampler = RankSampler(len(self.train_data), self.rank, self.world, cfg.trainer.micro_batch_size,
+                                   cfg.seed)
+        self.accum = self.engine.gradient_accumulation_steps()
+        self.start_step = 0
+        # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
+        _seed_everything(cfg.seed + 1000 * (self.rank + 1))
+
+    # ------------------------------------------------------------------ batches
+    def _batch(self, rows: np.ndarray) -> Dict[str, Any]:
+        ids = self.torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
+        return {"input_ids": ids, "labels": ids}
+
+    def _loss(self, batch: Dict[str, Any]):
+        return self.engine(**batch).loss
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> Dict[str, Any]:
+        torch, dist, cfg, tr = self.torch, self.dist, self.cfg, self.cfg.trainer
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if self.rank == 0 and self.start_step == 0 and metrics_path.exists():
+            metrics_path.unlink()
+        tokens_per_step = self.ds_config["train_batch_size"] * self.prepared.seq_len
+        kill_rank, kill_step = _fault_kill()
+        bar = None
+        if self.rank == 0 and tr.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=tr.max_steps, initial=self.start_step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        history: List[Dict[str, Any]] = []
+        last_ckpt: Optional[str] = None
+        self.engine.train()
+        for step in range(self.start_step + 1, tr.max_steps + 1):
+            t0 = time.perf_counter()
+            lr = self.engine.get_lr()[0]
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for _ in range(self.accum):
+                loss = self._loss(self._batch(self.train_data[self.sampler.next_indices()]))
+                self.engine.backward(loss)
+                self.engine.step()
+                total += loss.detach().double()
+            dist.all_reduce(total)
+            mean_loss = (total / (self.accum * self.world)).item()
+            dt = time.perf_counter() - t0
+            record: Dict[str, Any] = {"step": step, "loss": mean_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
+                                      "step_time_s": dt, "epoch": self.sampler.epoch,
+                                      "skipped_steps": int(getattr(self.engine, "skipped_steps", 0))}
+            if cfg.precision.dtype == Dtype.fp16:
+                record["loss_scale"] = _loss_scale(self.engine)
+            if tr.eval_every and step % tr.eval_every == 0 and step != tr.max_steps:
+                record.update(self.evaluate())
+            history.append(record)
+            if self.rank == 0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    bar.update(1)
+            if (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps:
+                last_ckpt = self.save(step)
+            if kill_rank == self.rank and kill_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if bar is not None:
+            bar.close()
+        final_eval = self.evaluate()
+        return {"history": history, "checkpoint": last_ckpt, "final_eval": final_eval}
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self) -> Dict[str, Any]:
+        """Mean validation loss over the whole validation set (split across ranks) and perplexity."""
+        torch = self.torch
+        if len(self.val_data) == 0:
+            return {}
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        mb = self.cfg.trainer.micro_batch_size
+        mine = list(range(self.rank, len(self.val_data), self.world))
+        # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively);
+        # a rank with no rows left runs row 0 with weight 0.
+        n_batches = math.ceil(math.ceil(len(self.val_data) / self.world) / mb)
+        with torch.no_grad():
+            for b in range(n_batches):
+                idx = mine[b * mb:(b + 1) * mb]
+                loss = self._loss(self._batch(self.val_data[idx or [0]]))
+                total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
+                                      device=self.device)
+        self.dist.all_reduce(total)
+        self.engine.train()
+        val_loss = (total[0] / total[1]).item()
+        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> str:
+        client_state = {"step": step, "consumed": self.sampler.consumed}
+        return checkpoint.save(self.engine, self.run_dir / "checkpoints", step, client_state,
+                               rng_state=_rng_state(), rank=self.rank, barrier=self.dist.barrier,
+                               keep_last=self.cfg.trainer.keep_last)
+
+    def resume(self, ckpt_root: Path, tag: str) -> None:
+        client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank)
+        self.start_step = int(client_state["step"])
+        self.sampler.consumed = int(client_state["consumed"])
+        if rng is not None:
+            _set_rng_state(rng)
+
+    # ------------------------------------------------------------------ export
+    def export(self) -> Optional[str]:
+        """Save the final model in Hugging Face format (ZeRO-3 weights gathered) plus a logits probe."""
+        torch = self.torch
+        out = self.run_dir / "export"
+        if self.cfg.zero.stage == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state_dict = self.engine.module.state_dict()
+        # Probe: the engine's own logits on a fixed input, to check the export against.
+        source = self.val_data if len(self.val_data) else self.train_data
+        probe_ids = torch.from_numpy(np.asarray(source[:2, :32], dtype=np.int64)).to(self.device)
+        self.engine.eval()
+        with torch.no_grad():
+            logits = self.engine.module(input_ids=probe_ids).logits.float().cpu()
+        self.engine.train()
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(self.prepared.tokenizer_dir).save_pretrained(str(out))
+            torch.save({"input_ids": probe_ids.cpu(), "logits": logits,
+                        "dtype": str(next(self.engine.module.parameters()).dtype).replace("torch.", "")},
+                       out / "probe.pt")
+        self.dist.barrier()
+        return str(out)
+
+
+def _seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> Dict[str, Any]:
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _loss_scale(engine) -> Optional[float]:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if value is not None and hasattr(value, "item"):
+            return float(value.item())
+    return None
+
+
+def _fault_kill():
+    spec = os.environ.get(FAULT_KILL_ENV, "")
+    if not spec:
+        return None, None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    args = [a for a in args if not a.startswith("--local_rank")]
+    if len(args) != 1:
+        print("usage: python -m zerorun.train RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0]).resolve()
+    t_start = time.time()
+    trainer = Trainer(run_dir)
+    trainer.build()
+    resume = json.loads((run_dir / "resume.json").read_text()) if (run_dir / "resume.json").exists() else None
+    if resume:
+        trainer.resume(Path(resume["checkpoint_dir"]), resume["tag"])
+    result = trainer.train()
+    export_dir = trainer.export() if trainer.cfg.trainer.export else None
+
+    import torch
+
+    peak = torch.tensor([peak_rss_bytes(), _accelerator_peak(trainer)], dtype=torch.float64)
+    gathered = [torch.zeros_like(peak) for _ in range(trainer.world)]
+    trainer.dist.all_gather(gathered, peak)
+    if trainer.rank == 0:
+        history = result["history"]
+        speeds = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
+        estimate = (json.loads((run_dir / "estimate.json").read_text())
+                    if (run_dir / "estimate.json").exists() else None)
+        summary = {
+            "status": "completed",
+            "steps": trainer.cfg.trainer.max_steps,
+            "resumed_from_step": trainer.start_step,
+            "final_loss": history[-1]["loss"] if history else None,
+            "first_loss": history[0]["loss"] if history else None,
+            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+            "world_size": trainer.world,
+            "accelerator": trainer.accel.device_name(),
+            "peak_memory": [
+                {"rank": r, "peak_rss_bytes": int(g[0]), "accelerator_peak_allocated_bytes": int(g[1])}
+                for r, g in enumerate(gathered)
+            ],
+            "peak_memory_measures": ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated; "
+                                     "peak_rss_bytes = the rank process's peak resident set (getrusage)"),
+            "estimated_peak_bytes": (estimate or {}).get("per_rank_peak_bytes"),
+            "checkpoint": result["checkpoint"],
+            "export": export_dir,
+            "wall_time_s": time.time() - t_start,
+            **result["final_eval"],
+        }
+        _write_json_atomic(run_dir / "summary.json", summary)
+        print(f"zerorun: done. final loss {summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
+              f"summary in {run_dir / 'summary.json'}", file=sys.stderr)
+    trainer.dist.barrier()
+    return 0
+
+
+def _accelerator_peak(trainer: Trainer) -> int:
+    if trainer.accel.device_name() == "cuda":
+        return int(trainer.torch.cuda.max_memory_allocated())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
