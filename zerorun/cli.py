@@ -44,7 +44,7 @@ def resolve_world(cfg: RunConfig, hw: Hardware) -> World:
     nproc = cfg.launcher.nproc_per_node
     if nproc is None:
         nproc = hw.gpus_per_node if hw.accelerator == "cuda" else max(1, min(2, hw.cpu_cores))
-    return World(nproc_per_node=nproc, nnodes=cfg.launcher.nnodes, accelerator=hw.accelerator)
+    return World(nproc_per_node=nproc, nnodes=cfg.launcher.nnodes, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
 
 
 def _resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:

@@ -277,6 +277,7 @@ class World:
     nproc_per_node: int
     nnodes: int
     accelerator: str  # "cuda" or "cpu"
+    fp16_ok: bool = True  # whether the ranks' device can train in fp16
 
     @property
     def size(self) -> int:
@@ -364,6 +365,11 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> Lis
                 f"offload.nvme_path={off.nvme_path}: not a writable directory. "
                 "Fix: point it at a directory on a local NVMe disk you can write to."
             )
+    if prec.dtype == Dtype.fp16 and not world.fp16_ok:
+        problems.append(
+            f"precision=fp16 on {world.accelerator} ranks: this device has no fp16 training support "
+            "(DeepSpeed's CPU accelerator needs AVX512-FP16 or AMX). Fix: precision=bf16, or run on GPUs."
+        )
     if prec.dtype != Dtype.fp16 and prec.loss_scale != 0:
         problems.append(
             f"precision.loss_scale={prec.loss_scale} with precision={prec.dtype.value}: loss scaling is for fp16 only. "

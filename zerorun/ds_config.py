@@ -59,17 +59,20 @@ def _zero_section(cfg: RunConfig, nvme_path: str) -> Dict[str, Any]:
 
 
 def _scheduler(cfg: RunConfig) -> Dict[str, Any]:
+    """DeepSpeed's schedulers with linear warmup. Warmup starts at lr/(warmup+1), not 0, so the
+    first optimizer step is not wasted (the trainer primes the scheduler to iteration 0)."""
     tr = cfg.trainer
     warmup = min(tr.warmup_steps, tr.max_steps)
+    start_ratio = 1.0 / (warmup + 1)
     if tr.lr_schedule == Schedule.constant:
-        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": tr.lr,
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": tr.lr * start_ratio, "warmup_max_lr": tr.lr,
                                                "warmup_num_steps": warmup, "warmup_type": "linear"}}
     if tr.lr_schedule == Schedule.linear:
-        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": tr.lr,
+        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": tr.lr * start_ratio, "warmup_max_lr": tr.lr,
                                                     "warmup_num_steps": warmup, "total_num_steps": tr.max_steps,
                                                     "warmup_type": "linear"}}
     return {"type": "WarmupCosineLR", "params": {"total_num_steps": tr.max_steps, "warmup_num_steps": warmup,
-                                                 "warmup_min_ratio": 0.0, "cos_min_ratio": tr.min_lr_ratio,
+                                                 "warmup_min_ratio": start_ratio, "cos_min_ratio": tr.min_lr_ratio,
                                                  "warmup_type": "linear"}}
 
 

@@ -20,6 +20,7 @@ class Hardware:
     host_mem_bytes: int
     nodes: int = 1
     cpu_cores: int = 1
+    fp16_ok: bool = True  # CPU ranks: DeepSpeed's CPU accelerator runs fp16 only with AVX512-FP16/AMX
 
     def describe(self) -> str:
         if self.accelerator == "cpu":
@@ -76,4 +77,14 @@ def detect() -> Hardware:
         gpus = smi or []
     if gpus:
         return Hardware("cuda", len(gpus), min(gpus), host_memory_bytes(), 1, cores)
-    return Hardware("cpu", 0, 0, host_memory_bytes(), 1, cores)
+    return Hardware("cpu", 0, 0, host_memory_bytes(), 1, cores, fp16_ok=_cpu_fp16_supported())
+
+
+def _cpu_fp16_supported() -> bool:
+    """The same test DeepSpeed's CPU accelerator makes before it accepts fp16."""
+    try:
+        import torch
+
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False

@@ -35,10 +35,16 @@ def _model_class(m: ModelConfig):
 
 def build_model(m: ModelConfig):
     """The model to train. Random init is seeded by the caller (same weights on every rank)."""
+    model = _build(m)
+    # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
+    model.config.loss_type = "ForCausalLM" if m.family == Family.gpt2 else "ForSequenceClassification"
+    return model
+
+
+def _build(m: ModelConfig):
     cls = _model_class(m)
     if not m.pretrained:
-        # _from_config (not cls(config)) honours an active HfDeepSpeedConfig: ZeRO-3 builds it partitioned.
-        return cls._from_config(hf_config(m))
+        return cls(hf_config(m))
     if not m.name_or_path:
         raise ModelLoadError(
             f"model.pretrained=true but model {m.name} names no weights. Fix: model.name_or_path=<hub name or "

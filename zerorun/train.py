@@ -66,8 +66,11 @@ class Trainer:
         torch, cfg = self.torch, self.cfg
         _seed_everything(cfg.seed)  # identical initial weights on every rank
         self._hf_ds_config = None
-        if cfg.zero.stage == 3:
-            # Keeps transformers' zero.Init active so large models are built already partitioned.
+        if cfg.zero.stage == 3 and cfg.model.pretrained:
+            # Keeps transformers' zero.Init active so pretrained weights stream into partitions. Random
+            # init is built whole instead: under zero.Init transformers' weight init does not reach the
+            # partitioned tensors (the loss starts near 86 instead of ln V), and whole-model init gives
+            # every ZeRO stage the same starting weights for a seed.
             from transformers.integrations import HfDeepSpeedConfig
 
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
@@ -79,6 +82,8 @@ class Trainer:
         self.engine, _, _, self.scheduler = self.deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config
         )
+        if self.scheduler is not None and getattr(self.scheduler, "last_batch_iteration", 0) < 0:
+            self.scheduler.step()  # DeepSpeed's schedulers start "before step 0" at lr 0; step 1 uses iteration 0
         self.device = self.engine.device
         self.train_data = np.load(self.prepared.train, mmap_mode="r")
         self.val_data = np.load(self.prepared.val, mmap_mode="r")
@@ -116,7 +121,7 @@ class Trainer:
         self.engine.train()
         for step in range(self.start_step + 1, tr.max_steps + 1):
             t0 = time.perf_counter()
-            lr = self.engine.get_lr()[0]
+            lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for _ in range(self.accum):
                 loss = self._loss(self._batch(self.train_data[self.sampler.next_indices()]))
