@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, launcher
 from .config import ConfigError, RunConfig, World, check, global_batch, grad_accum_steps, register_schemas, \
-    to_run_config
+    to_run_config, unknown_override_keys
 from .ds_config import render
 from .hardware import Hardware, detect
 
@@ -73,6 +73,8 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
 
     try:
         cfg = to_run_config(raw)
+    except ConfigError as e:
+        return Outcome(str(run_dir), refuse(e.problems), "bad-config")
     except Exception as e:  # an unknown key added with '+', a wrong type: OmegaConf's message names the key
         return Outcome(str(run_dir), refuse([str(e).splitlines()[0] + " Fix: check the key's spelling (zerorun --cfg job shows them all)."]), "bad-config")
     hw = detect()
@@ -180,6 +182,9 @@ def _hydra_app(raw: DictConfig) -> int:
 
 def main() -> None:
     register_schemas()
+    typos = unknown_override_keys(sys.argv[1:])
+    if typos:
+        sys.exit(refuse(typos))
     try:
         _hydra_app()
     except SystemExit as e:

@@ -6,6 +6,8 @@ finds every cross-key problem at once so the user fixes them in one go.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import enum
 import os
 from dataclasses import dataclass, field
@@ -284,10 +286,62 @@ class World:
         return self.nproc_per_node * self.nnodes
 
 
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> List[str]:
+    """Keys in a composed config that the schema does not have.
+
+    Hydra lets ``+trainer.max_step=3`` add a key even to a typed node, so a typo would be
+    silently ignored; this walk catches it.
+    """
+
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found = []
+    for key in node.keys() if hasattr(node, "keys") else []:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            found.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+            continue
+        ftype = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if ftype is not None and dataclasses.is_dataclass(ftype):
+            found += unknown_keys(node[key], ftype, f"{prefix}{key}.")
+    return found
+
+
+def unknown_override_keys(overrides: List[str]) -> List[str]:
+    """Problems for command-line overrides whose key is not in the schema (typos), before Hydra
+    composes: Hydra's own message would suggest appending the typo with '+'."""
+    problems = []
+    for ov in overrides:
+        if "=" not in ov or ov[0] in "+~" or ov.startswith(("hydra.", "hydra/", "-")):
+            continue
+        key = ov.split("=", 1)[0]
+        node: Any = RunConfig
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(node):
+                break  # a free-form dict (deepspeed.*) or a leaf: Hydra checks the rest
+            fields = {f.name: f for f in dataclasses.fields(node)}
+            if part not in fields:
+                if i == 0 and len(parts) == 1:
+                    break  # a group choice such as zero=stage2 is Hydra's to check
+                close = difflib.get_close_matches(part, fields, n=1)
+                where = ".".join(parts[:i]) or "the config"
+                hint = f"did you mean {'.'.join(parts[:i] + [close[0]] + parts[i + 1:])}?" if close else \
+                    f"{where} has: {', '.join(fields)}"
+                problems.append(f"unknown key {key} ({hint}). Fix: correct the spelling.")
+                break
+            f = fields[part]
+            node = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+    return problems
+
+
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """A plain, fully resolved RunConfig object (enums as enums) from a composed config."""
     if isinstance(cfg, RunConfig):
         return cfg
+    extra = unknown_keys(cfg, RunConfig)
+    if extra:
+        raise ConfigError([f"unknown key {k}. Fix: check the spelling (zerorun --cfg job lists every key)."
+                           for k in extra])
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     OmegaConf.resolve(merged)
     return OmegaConf.to_object(merged)
