@@ -40,6 +40,12 @@ def refuse(problems: List[str]) -> int:
     return EXIT_BAD_INPUT
 
 
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def resolve_world(cfg: RunConfig, hw: Hardware) -> World:
     nproc = cfg.launcher.nproc_per_node
     if nproc is None:
@@ -119,11 +125,13 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.offload.device.value == "nvme":
         os.makedirs(nvme_path, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
-    (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2) + "\n")
-    prepared.save(run_dir)
+    # Atomic writes: with a shared run dir every node's zerorun writes the same files, and a rank
+    # must never read a half-written one.
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_atomic(run_dir / "ds_config.json", json.dumps(ds, indent=2) + "\n")
+    write_atomic(run_dir / "prepared.json", json.dumps(prepared.to_json(), indent=2))
     if resume:
-        (run_dir / "resume.json").write_text(json.dumps(resume, indent=2))
+        write_atomic(run_dir / "resume.json", json.dumps(resume, indent=2))
     elif (run_dir / "resume.json").exists():
         (run_dir / "resume.json").unlink()
 
@@ -136,7 +144,7 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     )
     argv, env = launcher.build_command(plan)
     line = launcher.shell_line(argv, env)
-    (run_dir / "command.sh").write_text("#!/usr/bin/env bash\n" + line + "\n")
+    write_atomic(run_dir / "command.sh", "#!/usr/bin/env bash\n" + line + "\n")
     say(f"run dir: {run_dir}")
     say(f"command: {line}")
     if cfg.dry_run:

@@ -207,8 +207,11 @@ class Prepared:
     cache_key: str
     cached: bool = False
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
     def save(self, run_dir: Path) -> None:
-        (run_dir / "prepared.json").write_text(json.dumps(asdict(self), indent=2))
+        (run_dir / "prepared.json").write_text(json.dumps(self.to_json(), indent=2))
 
     @classmethod
     def load(cls, run_dir: Path) -> "Prepared":

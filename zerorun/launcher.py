@@ -56,10 +56,6 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
         if plan.hostfile:
             argv += ["--hostfile", plan.hostfile, "--num_nodes", str(plan.nnodes),
                      "--master_addr", plan.master_addr]
-        elif plan.nnodes > 1:
-            # Without a hostfile each node is started by hand (or by Slurm), one launcher per node.
-            argv += ["--num_nodes", str(plan.nnodes), "--node_rank", str(plan.node_rank),
-                     "--master_addr", plan.master_addr, "--no_ssh"]
         argv += ["--num_gpus", str(plan.nproc_per_node), "--master_port", str(plan.master_port),
                  "--no_local_rank", "--module", TRAIN_MODULE, plan.run_dir]
         return argv, env
