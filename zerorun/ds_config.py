@@ -62,8 +62,8 @@ def _scheduler(cfg: RunConfig) -> Dict[str, Any]:
     """DeepSpeed's schedulers with linear warmup. Warmup starts at lr/(warmup+1), not 0, so the
     first optimizer step is not wasted (the trainer primes the scheduler to iteration 0)."""
     tr = cfg.trainer
-    warmup = min(tr.warmup_steps, tr.max_steps)
-    start_ratio = 1.0 / (warmup + 1)
+    start_ratio = 1.0 / (min(tr.warmup_steps, tr.max_steps) + 1)  # 1.0 (full lr at once) without warmup
+    warmup = max(1, min(tr.warmup_steps, tr.max_steps))  # DeepSpeed rejects 0 warmup steps
     if tr.lr_schedule == Schedule.constant:
         return {"type": "WarmupLR", "params": {"warmup_min_lr": tr.lr * start_ratio, "warmup_max_lr": tr.lr,
                                                "warmup_num_steps": warmup, "warmup_type": "linear"}}

@@ -106,8 +106,12 @@ class Trainer:
     def train(self) -> Dict[str, Any]:
         torch, dist, cfg, tr = self.torch, self.dist, self.cfg, self.cfg.trainer
         metrics_path = self.run_dir / "metrics.jsonl"
-        if self.rank == 0 and self.start_step == 0 and metrics_path.exists():
-            metrics_path.unlink()
+        if self.rank == 0 and metrics_path.exists():
+            # A fresh run starts a new file; a resumed one drops the steps it will redo, so every
+            # step appears exactly once.
+            kept = [line for line in metrics_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.start_step]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
         tokens_per_step = self.ds_config["train_batch_size"] * self.prepared.seq_len
         kill_rank, kill_step = _fault_kill()
         bar = None

@@ -1,0 +1,116 @@
+"""``zerorun-estimate``: the per-rank memory of every ZeRO stage × offload choice for one config.
+
+    zerorun-estimate +model=gpt2-xl hardware.gpus_per_node=8 hardware.gpu_mem_gib=40
+
+Takes the same Hydra overrides as ``zerorun`` (composed the same way, nothing launched, no run dir)
+and prints, for the chosen micro-batch, sequence length and precision: per-GPU (or per-rank) peak,
+host RAM per node, NVMe per node and whether it fits. ``hardware.*`` values that are not given are
+detected on this machine (zerorun.hardware.detect); declared ones win.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import List, Optional
+
+from .hardware import GIB
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+USAGE = __doc__.split("\n\n")[1].strip()
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]:
+    """The table lines (pure: estimates in, text out)."""
+    from .config import Dtype, global_batch, grad_accum_steps
+    from .memory import DEFAULT_CALIBRATION as cal, count_params
+
+    m, tr = cfg.model, cfg.trainer
+    unit = "GPU" if hw.accelerator == "cuda" else "rank"
+    first = rows[0][1]
+    lines = [
+        f"{m.name}: {count_params(m):,} parameters · {Dtype(cfg.precision.dtype).value} · micro-batch "
+        f"{tr.micro_batch_size} × seq {cfg.data.seq_len} · activation checkpointing "
+        f"{'on' if tr.activation_checkpointing else 'off'} · {world.size} rank(s) = {world.nnodes} node(s) × "
+        f"{world.nproc_per_node} · global batch {global_batch(cfg, world)} (accumulation {grad_accum_steps(cfg, world)})",
+        f"hardware: {hw.describe()}",
+        f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
+        "",
+        f"  {'ZeRO / offload':32s} {'per-' + unit + ' peak':>14s}  {'peak phase':14s} {'fits ' + unit:>9s}  "
+        f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}",
+    ]
+    host_known = hw.host_mem_bytes > 0
+    for label, e in rows:
+        mark = "*" if label == chosen_label else " "
+        nvme = _gib(e.nvme_bytes) if e.nvme_bytes else "-"
+        fits_host = ("yes" if e.fits_host else "NO") if host_known else "?"
+        lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s}  {e.peak_phase:14s} "
+                     f"{'yes' if e.fits_device else 'NO':>9s}  {_gib(e.host_bytes_per_node):>13s} {fits_host:>9s}  "
+                     f"{nvme:>10s}")
+    cap = _gib(first.device_capacity_bytes)
+    if hw.accelerator == "cuda":
+        lines.append(f"capacity {cap} per GPU. Peak = {1 + cal.allocator_margin:.2f} × allocator peak + CUDA context "
+                     f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
+                     " (uncalibrated priors, memory.md §5).")
+    else:
+        lines.append(f"capacity {cap} per rank = host RAM / {world.nproc_per_node} ranks; CPU ranks keep everything "
+                     f"in host RAM (+ {_gib(cal.cpu_process_bytes)} process per rank).")
+    lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
+                 "offloaded state, + the rank processes. * = the composed config.")
+    if cfg.hardware.host_mem_gib is None and cfg.hardware.gpus_per_node:
+        lines.append(f"host RAM {_gib(hw.host_mem_bytes)} per node is this machine's; declare hardware.host_mem_gib "
+                     "to plan for another.")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        print("Overrides as for zerorun: +model=NAME zero=stageN offload=cpu|nvme precision=fp32|fp16|bf16 "
+              "trainer.micro_batch_size=N data.seq_len=N trainer.activation_checkpointing=true "
+              "hardware.gpus_per_node=N hardware.gpu_mem_gib=G hardware.nodes=N hardware.host_mem_gib=G")
+        return
+    from hydra import compose, initialize_config_module
+
+    from . import memory as M
+    from .config import register_schemas, to_run_config
+    from .hardware import detect, host_memory_bytes
+
+    t0 = time.perf_counter()
+    register_schemas()
+    try:
+        with initialize_config_module("zerorun.conf", version_base=None):
+            cfg = to_run_config(compose("config", overrides=argv))
+    except Exception as e:  # an unknown group option or key: Hydra/OmegaConf name it
+        print(f"zerorun-estimate: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    t1 = time.perf_counter()
+    detected = detect() if M.needs_detection(cfg.hardware) else None
+    t2 = time.perf_counter()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    hw = M.resolve_hardware(cfg.hardware, detected, host_mem_bytes=host_memory_bytes(), cpu_cores=cores)
+    world = M.plan_world(cfg, hw)
+    table = M.table_configs(cfg)
+    rows = [(label, M.estimate(c, world, hw)) for label, c in table]
+    key = lambda c: (c.zero.stage, c.offload.device, M.params_offloaded(c))  # noqa: E731
+    chosen = next((label for label, c in table if key(c) == key(cfg)), None)
+    decision = M.gate(cfg, world, hw, M.GateMode.strict)
+    t3 = time.perf_counter()
+    for line in render_table(cfg, world, hw, rows, chosen):
+        print(line)
+    if not decision.ok and decision.suggestion:
+        print(f"the composed config does not fit; the fastest that does: {' '.join(decision.suggestion)}")
+    elif not decision.ok:
+        print(f"the composed config does not fit: {decision.message}")
+    sys.stdout.flush()
+    print(f"(compose {1000 * (t1 - t0):.0f} ms, hardware {'detect ' + format(1000 * (t2 - t1), '.0f') + ' ms' if detected else 'declared'}, "
+          f"{len(rows)} estimates + gate {1000 * (t3 - t2):.1f} ms)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
