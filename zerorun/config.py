@@ -348,17 +348,6 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 
 def data_parallel_size(cfg: RunConfig, world: World) -> int:
-    if cfg.launcher.name == LauncherName.deepspeed and cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:
-        problems.append(
-            f"launcher=deepspeed with launcher.nnodes={cfg.launcher.nnodes} and no launcher.hostfile: the deepspeed CLI "
-            "starts other nodes only from a hostfile. Fix: launcher.hostfile=<file with 'host slots=N' lines>, "
-            "or launcher=torchrun started on every node with launcher.node_rank (see launch/README.md)."
-        )
-    if cfg.launcher.nnodes > 1 and cfg.launcher.master_addr in ("127.0.0.1", "localhost") and not cfg.launcher.hostfile:
-        problems.append(
-            f"launcher.nnodes={cfg.launcher.nnodes} with launcher.master_addr={cfg.launcher.master_addr}: other nodes "
-            "cannot reach this loopback address. Fix: launcher.master_addr=<node 0's hostname or IP>."
-        )
     if cfg.parallel.mode == ParallelMode.pipeline:
         return max(1, world.size // max(1, cfg.parallel.stages))
     return world.size
@@ -487,6 +476,17 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> Lis
     elif not 0 <= cfg.launcher.node_rank < cfg.launcher.nnodes:
         problems.append(
             f"launcher.node_rank={cfg.launcher.node_rank}: must be in [0, launcher.nnodes={cfg.launcher.nnodes})."
+        )
+    if cfg.launcher.name == LauncherName.deepspeed and cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:
+        problems.append(
+            f"launcher=deepspeed with launcher.nnodes={cfg.launcher.nnodes} and no launcher.hostfile: the deepspeed CLI "
+            "starts other nodes only from a hostfile. Fix: launcher.hostfile=<file with 'host slots=N' lines>, "
+            "or launcher=torchrun started on every node with launcher.node_rank (see launch/README.md)."
+        )
+    if cfg.launcher.nnodes > 1 and cfg.launcher.master_addr in ("127.0.0.1", "localhost") and not cfg.launcher.hostfile:
+        problems.append(
+            f"launcher.nnodes={cfg.launcher.nnodes} with launcher.master_addr={cfg.launcher.master_addr}: other nodes "
+            "cannot reach this loopback address. Fix: launcher.master_addr=<node 0's hostname or IP>."
         )
     if cfg.launcher.name == LauncherName.deepspeed and cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:
         problems.append(

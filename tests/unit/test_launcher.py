@@ -1,0 +1,55 @@
+"""LaunchPlan → argv/env, tested without starting a process."""
+from zerorun.launcher import LaunchPlan, build_command, shell_line
+
+
+def plan(**kw):
+    base = dict(launcher="deepspeed", run_dir="/runs/a b", nproc_per_node=2, accelerator="cpu", master_port=29511)
+    base.update(kw)
+    return LaunchPlan(**base)
+
+
+def test_deepspeed_single_node_cpu():
+    argv, env = build_command(plan())
+    assert argv == ["deepspeed", "--num_gpus", "2", "--master_port", "29511", "--no_local_rank",
+                    "--module", "zerorun.train", "/runs/a b"]
+    assert env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_deepspeed_gpu_has_no_cpu_accelerator_env():
+    argv, env = build_command(plan(accelerator="cuda", nproc_per_node=8))
+    assert "DS_ACCELERATOR" not in env and argv[argv.index("--num_gpus") + 1] == "8"
+
+
+def test_deepspeed_hostfile_multi_node():
+    argv, _ = build_command(plan(accelerator="cuda", hostfile="/etc/hosts.ds", nnodes=4, master_addr="node0"))
+    assert argv[1:9] == ["--hostfile", "/etc/hosts.ds", "--num_nodes", "4", "--master_addr", "node0",
+                         "--num_gpus", "2"]
+
+
+def test_torchrun_single_and_multi_node():
+    argv, _ = build_command(plan(launcher="torchrun"))
+    assert argv == ["torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--master-addr", "127.0.0.1",
+                    "--master-port", "29511", "-m", "zerorun.train", "/runs/a b"]
+    argv, _ = build_command(plan(launcher="torchrun", nnodes=2, node_rank=1, master_addr="10.0.0.1"))
+    assert argv[3:11] == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29511"]
+
+
+def test_ranks_never_see_hydra_argv():
+    for launcher in ("deepspeed", "torchrun"):
+        argv, _ = build_command(plan(launcher=launcher))
+        assert argv[-2:] == ["zerorun.train", "/runs/a b"]
+        assert not any("=" in a for a in argv)  # no Hydra overrides reach the ranks
+
+
+def test_shell_line_quotes():
+    argv, env = build_command(plan())
+    line = shell_line(argv, env)
+    assert "'/runs/a b'" in line and line.startswith("DS_ACCELERATOR=cpu ")
+
+
+def test_bin_dir_is_used_when_the_script_exists(tmp_path):
+    (tmp_path / "deepspeed").write_text("")
+    argv, _ = build_command(plan(bin_dir=str(tmp_path)))
+    assert argv[0] == str(tmp_path / "deepspeed")
+    argv, _ = build_command(plan(launcher="torchrun", bin_dir=str(tmp_path)))
+    assert argv[0] == "torchrun"  # not in bin_dir: fall back to PATH
