@@ -1,0 +1,35 @@
+# The two set-up commands (README):  `make demo` runs the embedded default job, `make test` runs the tests.
+# Both create .venv and install what they need on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: demo test test-fast system-deps install
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# libaio for NVMe offload (DeepSpeed async_io). Needs root/apt; elsewhere install it yourself.
+system-deps:
+	@if [ ! -e /usr/include/libaio.h ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; \
+	  else echo "note: libaio-dev is not installed; NVMe offload tests will be refused (apt-get install libaio-dev)"; fi; \
+	fi
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/zerorun
+
+test: system-deps $(VENV)/.installed
+	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not e2e" tests
