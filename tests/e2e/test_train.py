@@ -57,13 +57,14 @@ def assert_loss_falls(metrics):
 
 
 def assert_export_matches_engine(run_dir):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     probe = torch.load(run_dir / "export" / "probe.pt")
     dtype = getattr(torch, probe["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "export", dtype=dtype).eval()
+    cls = AutoModelForCausalLM if probe["task"] == "causal_lm" else AutoModelForSequenceClassification
+    model = cls.from_pretrained(run_dir / "export", dtype=dtype).eval()
     with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits.float()
+        logits = model(**probe["inputs"]).logits.float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(logits, probe["logits"], atol=tol, rtol=0), (logits - probe["logits"]).abs().max()
 
