@@ -5,6 +5,7 @@ only orders them and performs the side effects (files, the launch).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,9 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, launcher
 from .config import ConfigError, RunConfig, World, check, global_batch, grad_accum_steps, register_schemas, \
-    to_run_config, unknown_override_keys, resolved_task
+    to_run_config, unknown_override_keys, resolved_task, plan_world
 from .ds_config import render
-from .hardware import Hardware, detect
+from .hardware import GIB, Hardware, detect
+from .memory import gate as memory_gate, resolve_hardware
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -44,13 +46,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def resolve_world(cfg: RunConfig, hw: Hardware) -> World:
-    nproc = cfg.launcher.nproc_per_node
-    if nproc is None:
-        nproc = hw.gpus_per_node if hw.accelerator == "cuda" else max(1, min(2, hw.cpu_cores))
-    return World(nproc_per_node=nproc, nnodes=cfg.launcher.nnodes, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
 
 
 def _resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
@@ -84,7 +79,7 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     except Exception as e:  # an unknown key added with '+', a wrong type: OmegaConf's message names the key
         return Outcome(str(run_dir), refuse([str(e).splitlines()[0] + " Fix: check the key's spelling (zerorun --cfg job shows them all)."]), "bad-config")
     hw = detect()
-    world = resolve_world(cfg, hw)
+    world = plan_world(cfg, hw, nodes=cfg.launcher.nnodes)
     problems = check(cfg, world)
     pretrained = check_pretrained_available(cfg.model)
     if pretrained:
@@ -93,6 +88,29 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
         return Outcome(str(run_dir), refuse(problems), "bad-config")
 
     say(hw.describe())
+    # Declared hardware.* sizes plan for a cluster you are not on; they feed the gate only, so a CPU
+    # box never launches CUDA ranks because a GPU size was declared.
+    plan_hw = resolve_hardware(cfg.hardware, hw)
+    gate_world = plan_world(cfg, plan_hw)
+    if gate_world.size != world.size or plan_hw.accelerator != world.accelerator:
+        say(f"memory gate plans for the declared hardware: {plan_hw.describe()}, {gate_world.size} rank(s); "
+            f"this machine launches {world.size} {world.accelerator} rank(s).")
+    decision = memory_gate(cfg, gate_world, plan_hw)
+    est = decision.estimate
+    if not decision.ok:
+        return Outcome(str(run_dir), refuse([f"memory: {decision.message}"]), "memory")
+    if decision.warning:
+        say(f"warning: memory: {decision.warning}")
+    if decision.changes:
+        cfg = decision.cfg
+        problems = check(cfg, world)
+        if problems:
+            return Outcome(str(run_dir), refuse(problems), "bad-config")
+        say(f"memory: {decision.message}")
+    if est is not None:
+        say(f"memory: {est.per_rank_peak_bytes / GIB:.2f} of {est.device_capacity_bytes / GIB:.2f} GiB per "
+            f"{'GPU' if est.device == 'cuda' else 'rank'} (peak in {est.peak_phase}; largest: "
+            + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.top(3)) + f") [gate={decision.mode.value}]")
     accum = grad_accum_steps(cfg, world)
     gb = global_batch(cfg, world)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
@@ -130,6 +148,9 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     # must never read a half-written one.
     write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     write_atomic(run_dir / "ds_config.json", json.dumps(ds, indent=2) + "\n")
+    write_atomic(run_dir / "estimate.json", json.dumps({**(est.to_json() if est else {}), "gate": {
+        "mode": decision.mode.value, "ok": decision.ok, "message": decision.message,
+        "changes": [dataclasses.asdict(c) for c in decision.changes]}}, indent=2, default=str) + "\n")
     write_atomic(run_dir / "prepared.json", json.dumps(prepared.to_json(), indent=2))
     if resume:
         write_atomic(run_dir / "resume.json", json.dumps(resume, indent=2))

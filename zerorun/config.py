@@ -373,6 +373,18 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     return OmegaConf.to_object(merged)
 
 
+def plan_world(cfg: RunConfig, hw: Any, nodes: Optional[int] = None) -> World:
+    """The ranks a run has on hardware ``hw`` (a zerorun.hardware.Hardware): launcher.nproc_per_node,
+    else one per GPU, else min(2, cores) CPU ranks. Nodes: ``nodes``, else hardware.nodes (planning),
+    else launcher.nnodes."""
+    nproc = cfg.launcher.nproc_per_node
+    if nproc is None:
+        nproc = hw.gpus_per_node if hw.accelerator == "cuda" else max(1, min(2, hw.cpu_cores))
+    if nodes is None:
+        nodes = cfg.hardware.nodes if cfg.hardware.nodes is not None else cfg.launcher.nnodes
+    return World(nproc_per_node=nproc, nnodes=nodes, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
+
+
 def resolved_task(cfg: RunConfig) -> TaskName:
     """The task to train: the user's, else the model family's natural one."""
     if cfg.task.name != TaskName.auto:

@@ -27,16 +27,18 @@ def _gib(n: int) -> str:
 def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]:
     """The table lines (pure: estimates in, text out)."""
     from .config import Dtype, global_batch, grad_accum_steps
-    from .memory import DEFAULT_CALIBRATION as cal, count_params
+    from .memory import DEFAULT_CALIBRATION as cal
 
     m, tr = cfg.model, cfg.trainer
     unit = "GPU" if hw.accelerator == "cuda" else "rank"
     first = rows[0][1]
-    lines = [
-        f"{m.name}: {count_params(m):,} parameters · {Dtype(cfg.precision.dtype).value} · micro-batch "
+    lines: List[str] = [
+        f"{m.name} ({rows[0][1].summary['task']}): {rows[0][1].params:,} parameters · "
+        f"{Dtype(cfg.precision.dtype).value} · micro-batch "
         f"{tr.micro_batch_size} × seq {cfg.data.seq_len} · activation checkpointing "
         f"{'on' if tr.activation_checkpointing else 'off'} · {world.size} rank(s) = {world.nnodes} node(s) × "
-        f"{world.nproc_per_node} · global batch {global_batch(cfg, world)} (accumulation {grad_accum_steps(cfg, world)})",
+        f"{world.nproc_per_node} · global batch {global_batch(cfg, world)} "
+        f"(accumulation {grad_accum_steps(cfg, world)})",
         f"hardware: {hw.describe()}",
         f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
         "",
@@ -78,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     from hydra import compose, initialize_config_module
 
     from . import memory as M
-    from .config import register_schemas, to_run_config
+    from .config import plan_world, register_schemas, to_run_config
     from .hardware import detect, host_memory_bytes
 
     t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     t2 = time.perf_counter()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     hw = M.resolve_hardware(cfg.hardware, detected, host_mem_bytes=host_memory_bytes(), cpu_cores=cores)
-    world = M.plan_world(cfg, hw)
+    world = plan_world(cfg, hw)
     table = M.table_configs(cfg)
     rows = [(label, M.estimate(c, world, hw)) for label, c in table]
     key = lambda c: (c.zero.stage, c.offload.device, M.params_offloaded(c))  # noqa: E731
@@ -108,7 +110,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     elif not decision.ok:
         print(f"the composed config does not fit: {decision.message}")
     sys.stdout.flush()
-    print(f"(compose {1000 * (t1 - t0):.0f} ms, hardware {'detect ' + format(1000 * (t2 - t1), '.0f') + ' ms' if detected else 'declared'}, "
+    hw_time = f"detected in {1000 * (t2 - t1):.0f} ms" if detected else "declared"
+    print(f"(compose {1000 * (t1 - t0):.0f} ms, hardware {hw_time}, "
           f"{len(rows)} estimates + gate {1000 * (t3 - t2):.1f} ms)", file=sys.stderr)
 
 

@@ -11,10 +11,11 @@ measurements of benchmarks/validate_memory_cpu.py); the logits/loss and tied-emb
     device     = CUDA context + NCCL + (1 + margin) · alloc_peak        (CUDA ranks)
     device     = process runtime + alloc_peak + offloaded host state    (CPU ranks: the "device" is host RAM)
 
-What it models is what zerorun.train builds: an HF GPT2LMHeadModel or BertForSequenceClassification
-with transformers' default attention (sdpa), DeepSpeed's engine with AdamW (FusedAdam on CUDA,
-torch AdamW on CPU ranks, DeepSpeedCPUAdam with offload), ZeRO buckets from ds_config.bucket_sizes(),
-random-init models built whole on every rank (no zero.Init unless ZeRO-3 + pretrained).
+What it models is what zerorun.train builds: an HF GPT2LMHeadModel (task causal_lm) or a
+Bert/RobertaForSequenceClassification (task sequence_classification) with transformers' default
+attention (sdpa), DeepSpeed's engine with AdamW (FusedAdam on CUDA, torch AdamW on CPU ranks,
+DeepSpeedCPUAdam with offload), ZeRO buckets from ds_config.bucket_sizes(), random-init models built
+whole on every rank (no zero.Init unless ZeRO-3 + pretrained).
 
 Entry points: count_params / param_breakdown, estimate, gate, autofit, resolve_hardware.
 """
@@ -25,10 +26,10 @@ import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .config import (Dtype, Family, GateMode, HardwareConfig, ModelConfig, OffloadDevice, RunConfig, World,
-                     data_parallel_size, global_batch, grad_accum_steps)
+from .config import (Dtype, Family, GateMode, HardwareConfig, ModelConfig, OffloadDevice, RunConfig, TaskName, World,
+                     data_parallel_size, global_batch, grad_accum_steps, resolved_task)
 from .ds_config import bucket_sizes
 from .hardware import GIB, Hardware
 
@@ -154,37 +155,53 @@ class ParamBreakdown:
                 "buffer_bytes": self.buffer_bytes}
 
 
-def _model_key(m: ModelConfig) -> Tuple:
-    return (Family(m.family), m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
-            m.max_positions, m.type_vocab_size, m.num_labels)
+def default_task(m: ModelConfig) -> TaskName:
+    """The family's natural task, as config.resolved_task decides for task=auto."""
+    return TaskName.causal_lm if Family(m.family) == Family.gpt2 else TaskName.sequence_classification
+
+
+def _model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> Tuple:
+    task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m)
+    return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
+            m.max_positions, m.type_vocab_size, num_labels)
 
 
 @functools.lru_cache(maxsize=256)
 def _breakdown(key: Tuple) -> ParamBreakdown:
-    family, L, h, _a, inner, V, P, T, labels = key
+    family, task, L, h, _a, inner, V, P, T, labels = key
     inner = inner or 4 * h  # GPT2Config n_inner=None means 4h
     if family == Family.gpt2:
-        # GPT2LMHeadModel: wte, wpe; per block ln_1, c_attn (h×3h), c_proj, ln_2, c_fc (h×I), c_proj (I×h);
-        # ln_f; lm_head tied to wte (no new tensor).
+        # GPT2Model: wte, wpe; per block ln_1, c_attn (h×3h), c_proj, ln_2, c_fc (h×I), c_proj (I×h); ln_f.
         layer = (h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * inner, inner, inner * h, h)
         # Buffers: per block a bool causal mask of max_positions² and a float scalar (modeling_gpt2.py).
-        return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h), tied_embedding=V * h,
-                              buffer_bytes=L * (P * P + 4))
-    # BertForSequenceClassification: word/position/token-type embeddings + LN; per layer q, k, v, attention
-    # output dense + LN, intermediate dense, output dense + LN; pooler dense; classifier.
+        buffers = L * (P * P + 4)
+        if task == TaskName.causal_lm:  # GPT2LMHeadModel: lm_head tied to wte (no new tensor)
+            return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h), tied_embedding=V * h, buffer_bytes=buffers)
+        # GPT2ForSequenceClassification: score = Linear(h, num_labels, bias=False)
+        return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h, labels * h), tied_embedding=0,
+                              buffer_bytes=buffers)
+    if task != TaskName.sequence_classification:
+        raise ValueError(f"{family.value} with task {task.value}: zerorun trains encoders for sequence classification "
+                         "only (config.check refuses this combination).")
+    # Bert/RobertaForSequenceClassification: word/position/token-type embeddings + LN; per layer q, k, v,
+    # attention output dense + LN, intermediate dense, output dense + LN. BERT: pooler dense + classifier;
+    # RoBERTa: no pooler, a classification head of dense (h×h) + out_proj.
     layer = (h * h, h, h * h, h, h * h, h, h * h, h, h, h, h * inner, inner, inner * h, h, h, h)
-    return ParamBreakdown(family, (V * h, P * h, T * h, h, h), layer, L, (h * h, h, labels * h, labels),
-                          tied_embedding=0, buffer_bytes=2 * P * 8)  # position_ids + token_type_ids, int64
+    head = (h * h, h, labels * h, labels)
+    return ParamBreakdown(family, (V * h, P * h, T * h, h, h), layer, L, head, tied_embedding=0,
+                          buffer_bytes=2 * P * 8)  # position_ids + token_type_ids buffers, int64
 
 
-def param_breakdown(m: ModelConfig) -> ParamBreakdown:
-    """Parameter tensors of ``m`` by region, exactly as transformers builds the model."""
-    return _breakdown(_model_key(m))
+def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> ParamBreakdown:
+    """Parameter tensors of ``m`` for ``task`` (None: the family's own) by region, exactly as transformers
+    builds the model."""
+    return _breakdown(_model_key(m, task, num_labels))
 
 
-def count_params(m: ModelConfig) -> int:
-    """Unique parameters (tied LM head counted once) of GPT2LMHeadModel / BertForSequenceClassification."""
-    return param_breakdown(m).total
+def count_params(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> int:
+    """Unique parameters (a tied LM head counted once) of the model zerorun builds for ``m`` and ``task``:
+    GPT2LMHeadModel, Bert/RobertaForSequenceClassification (GPT2ForSequenceClassification too)."""
+    return param_breakdown(m, task, num_labels).total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,14 +251,16 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
 
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
-                checkpointing: bool, kernel: Optional[str] = None) -> Activations:
+                checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
+                num_labels: int = 2) -> Activations:
     """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§2.1).
 
     Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
     (LN inputs 2, QKV input 1, Q K V 3, projection input 1, fc1 input 1, GeLU input 4, fc2 input 4),
     2 one-byte dropout masks, and a·s²·b·(2 + 1 + 2) for softmax, its dropout mask and output.
-    What HF's models actually save differs and is counted here op by op (verified on CPU for
-    every (family, dtype, kernel) this function returns; see benchmarks/validate_memory_cpu.py):
+    What HF's models actually save differs and is counted here op by op. benchmarks/validate_memory_cpu.py
+    checks sdpa-math, and sdpa-fused in its CPU form (the CPU flash kernel, used when dropout = 0);
+    the CUDA kernels and eager are not measured:
 
     - GPT-2's default ``gelu_new`` is a Python tanh formula that saves x, tanh(·), 0.5x, 1+tanh:
       4·I/h units instead of I/h (§2.4: +24·sbh at I = 4h in 16-bit).
@@ -253,6 +272,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
       dropout mask and dropout output: 12·a·s²·b (§2.4 measured 138·sbh at s=512, h=768: 42 + 12·8).
     - eager: Eq. 1's attention core (+ the KV-cache copies for GPT-2). Not zerorun's default.
     - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§2.8); none when dropout = 0.
+    - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
     """
     b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers
     inner = m.intermediate_size or 4 * h
@@ -261,6 +281,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     mask = (CUDA_MASK_BYTES if accelerator == "cuda" else e) if dropout else 0
     kernel = kernel or attention_kernel(accelerator, m.dropout)
     gpt2 = Family(m.family) == Family.gpt2
+    lm = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m)) == TaskName.causal_lm
     sbh, s2 = s * b * h, a * s * s * b
     r = inner / h  # MLP width in units of h
 
@@ -274,8 +295,8 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
             core = e * (3 + kv_copies) * sbh + 4 * a * s * b
         elif kernel == "sdpa-math":
             core = 12 * sbh + 12 * s2
-        else:  # eager
-            core = e * (3 + kv_copies) * sbh + (2 * e + (mask if dropout else 0)) * s2
+        else:  # eager: softmax output, + its dropout mask and output when dropout is on
+            core = e * (3 + kv_copies) * sbh + (e + ((e + mask) if dropout else 0)) * s2
         return int(e * base_units * sbh + core + 2 * mask * sbh + ln_stats)
 
     per_layer = layer(cache=not checkpointing)
@@ -283,18 +304,35 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     if gpt2:
         # embedding dropout mask; ln_f input + LM-head input (= ln_f output)
         outside = mask * sbh + 2 * e * sbh + 2 * s * b * LN_STAT_BYTES
-        logits = LOSS_BYTES_PER_LOGIT * b * s * m.vocab_size
+        if checkpointing:
+            # Without the KV cache HF GPT-2 materializes a (b, 1, s, s) bool causal mask, which every
+            # checkpoint keeps as an input (measured on CPU). On CUDA the explicit mask rules out flash:
+            # the memory-efficient kernel saves it as an additive bias in the compute dtype (code-read,
+            # not checked on a GPU), one layer at a time during recomputation.
+            outside += b * s * s
+            if kernel == "sdpa-fused" and accelerator == "cuda":
+                recompute += b * s * s * e
+        logits = LOSS_BYTES_PER_LOGIT * b * s * (m.vocab_size if lm else num_labels)
     else:
-        # embedding LN input + its dropout mask; the pooler reads a view of the last hidden states
+        # embedding LN input + its dropout mask; the pooler / classification head reads a view of the
+        # last hidden states, which keeps the whole tensor
         outside = e * sbh + mask * sbh + 2 * s * b * LN_STAT_BYTES + e * sbh
-        logits = LOSS_BYTES_PER_LOGIT * b * max(1, m.num_labels)
-    # Backward of one layer: the residual-stream grad plus the two widest grads alive at once (the MLP's
-    # I-wide grads; on the math path the fp32 s² grads of dropout and softmax).
-    working = e * sbh + 2 * e * r * sbh
+        if kernel == "sdpa-fused" and accelerator == "cuda":
+            # A padding mask becomes one (b, 1, s, s) additive bias in the compute dtype, which CUDA's
+            # memory-efficient kernel saves (CPU kernels do not: measured). Code-read, not checked on a
+            # GPU; absent when a batch has no padding.
+            outside += b * s * s * e
+        logits = LOSS_BYTES_PER_LOGIT * b * num_labels
+    # Backward of one layer: the residual-stream grad plus the MLP grads beyond what is saved: one I-wide
+    # grad for erf GeLU (each node frees its saved input as it makes its grad), two through gelu_new's
+    # chain of elementwise ops. In attention one s² grad beyond the saved ones. Sized from CPU
+    # measurements (benchmarks/validate_memory_cpu.py "layer" column): two extra s² grads and two
+    # I-wide grads for BERT overestimated by 5-25%.
+    working = e * sbh + (2 if gpt2 else 1) * e * r * sbh
     if kernel == "sdpa-math":
-        working = max(working, e * sbh + 2 * 4 * s2)
+        working = max(working, e * sbh + 4 * s2)
     elif kernel == "eager":
-        working = max(working, e * sbh + 2 * e * s2)
+        working = max(working, e * sbh + e * s2)
     return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
                        checkpointing)
 
@@ -429,7 +467,8 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     dtype = Dtype(cfg.precision.dtype)
     accel = world.accelerator
     cpu_ranks = accel == "cpu"
-    bd = param_breakdown(m)
+    task, labels = resolved_task(cfg), cfg.task.num_labels
+    bd = param_breakdown(m, task, labels)
     P = bd.total
     N = max(1, data_parallel_size(cfg, world))
     p = g = DTYPE_BYTES[dtype]  # 16-bit or fp32 module: params, grads and activations in that dtype
@@ -444,7 +483,8 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     part = math.ceil(P / N)  # this rank's partition (DeepSpeed pads to equal partitions)
     notes: List[str] = []
 
-    act = activations(m, tr.micro_batch_size, cfg.data.seq_len, dtype, accel, tr.activation_checkpointing)
+    act = activations(m, tr.micro_batch_size, cfg.data.seq_len, dtype, accel, tr.activation_checkpointing,
+                      task=task, num_labels=labels)
 
     # ---- model states that live on the device through every phase (§1.1, §1.3)
     dev: List[Tuple[str, float]] = []
@@ -527,7 +567,7 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     if stage == 3:
         if z.contiguous_gradients:
             bwd_buffers.append(("reduce buckets", buckets["reduce_bucket_size"] * g))  # stage3.py IPG buffer
-        live = _zero3_live_peak(_model_key(m), buckets["stage3_param_persistence_threshold"],
+        live = _zero3_live_peak(_model_key(m, task, labels), buckets["stage3_param_persistence_threshold"],
                                 z.stage3_max_reuse_distance)
         bwd_buffers.append(("ZeRO-3 gathered params", live * p))
         bwd_buffers.append(("ZeRO-3 prefetch bucket",
@@ -612,7 +652,7 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
         notes.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions}.")
 
     summary = {
-        "model": m.name, "family": Family(m.family).value, "params": P, "zero_stage": stage,
+        "model": m.name, "family": Family(m.family).value, "task": task.value, "params": P, "zero_stage": stage,
         "offload": off.value, "offload_params": off_param, "precision": dtype.value,
         "micro_batch_size": tr.micro_batch_size, "seq_len": cfg.data.seq_len,
         "activation_checkpointing": tr.activation_checkpointing, "grad_accum_steps": accum,
@@ -695,15 +735,6 @@ def needs_detection(declared: HardwareConfig) -> bool:
     Host RAM alone never needs it (hardware.host_memory_bytes() reads sysconf)."""
     return not (declared.gpus_per_node == 0 or
                 (declared.gpus_per_node is not None and declared.gpu_mem_gib is not None))
-
-
-def plan_world(cfg: RunConfig, hw: Hardware) -> World:
-    """Ranks for the plan, as cli.resolve_world decides them, with ``hardware.nodes`` overriding the node count."""
-    nproc = cfg.launcher.nproc_per_node
-    if nproc is None:
-        nproc = hw.gpus_per_node if hw.accelerator == "cuda" else max(1, min(2, hw.cpu_cores))
-    nodes = cfg.hardware.nodes if cfg.hardware.nodes is not None else cfg.launcher.nnodes
-    return World(nproc_per_node=nproc, nnodes=nodes, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,7 +829,8 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
     if k.stage != z.stage:
         changes.append(Change("zero.stage", z.stage, k.stage,
                               {1: "partitions optimizer states", 2: "partitions optimizer states and gradients",
-                               3: "partitions parameters too"}[k.stage] + f" over {data_parallel_size(cfg, world)} ranks"))
+                               3: "partitions parameters too"}[k.stage]
+                              + f" over {data_parallel_size(cfg, world)} ranks"))
         new_z = dataclasses.replace(new_z, stage=k.stage)
     if k.offload != off.device:
         changes.append(Change("offload.device", off.device, k.offload,
@@ -907,9 +939,10 @@ def gate(cfg: RunConfig, world: World, hw: Hardware, mode: Optional[GateMode] = 
     if mode == GateMode.off:
         return GateDecision(True, mode, cfg, est, est, message="memory gate off: estimate recorded only.")
     if est.fits:
+        unit = "GPU" if est.device == "cuda" else "rank"
         return GateDecision(True, mode, cfg, est, est,
                             message=f"fits: {_gib(est.per_rank_peak_bytes)} of {_gib(est.device_capacity_bytes)} "
-                                    f"per {'GPU' if est.device == 'cuda' else 'rank'} (peak in the {est.peak_phase} phase).")
+                                    f"per {unit} (peak in the {est.peak_phase} phase).")
     found = autofit(cfg, world, hw, cal=cal)
     shortfall = _shortfall(cfg, world, est)
     if found is None:
@@ -918,8 +951,9 @@ def gate(cfg: RunConfig, world: World, hw: Hardware, mode: Optional[GateMode] = 
                    "and offloaded state lives there too: fewer ranks per node (launcher.nproc_per_node), more nodes, "
                    "or a host with more RAM (hardware.host_mem_gib when planning).")
         else:
-            fix = (f"no micro-batch, checkpointing, bucket, ZeRO stage or offload setting fits on {world.size} rank(s): "
-                   "add GPUs/nodes (launcher.nnodes, launcher.nproc_per_node), use larger GPUs, or a shorter data.seq_len.")
+            fix = (f"no micro-batch, checkpointing, bucket, ZeRO stage or offload setting fits on {world.size} "
+                   "rank(s): add GPUs/nodes (launcher.nnodes, launcher.nproc_per_node), use larger GPUs, or a "
+                   "shorter data.seq_len.")
         msg = f"{shortfall} Fix: {fix}"
         return GateDecision(mode == GateMode.warn, mode, cfg, est, est, message=msg,
                             warning=msg if mode == GateMode.warn else None)

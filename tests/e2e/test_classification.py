@@ -1,0 +1,103 @@
+"""BERT-family sequence classification on 2 CPU ranks, and LM fine-tunes on a user's own files."""
+import json
+
+import pytest
+
+from conftest import read_metrics, run_zerorun
+from test_train import assert_export_matches_engine, assert_run_dir_complete
+
+pytestmark = pytest.mark.e2e
+
+QUICK = ["launcher.nproc_per_node=2", "trainer.progress=false", "trainer.warmup_steps=1"]
+
+
+def summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_pretrained_minilm_beats_random_init(tmp_path, cache_dir):
+    """The real pretrained MiniLM vs the same architecture from random init: same data, steps, LR."""
+    common = [*QUICK, "+model=minilm", "zero=stage2", "trainer.max_steps=30", "trainer.lr=5e-5",
+              "trainer.micro_batch_size=16", "data.seq_len=32", "trainer.warmup_steps=3", "trainer.export=false"]
+    pretrained, scratch = tmp_path / "pretrained", tmp_path / "scratch"
+    assert run_zerorun(common, pretrained, cache_dir).returncode == 0
+    assert run_zerorun([*common, "model.pretrained=false"], scratch, cache_dir).returncode == 0
+    acc_pre, acc_rand = summary(pretrained)["val_accuracy"], summary(scratch)["val_accuracy"]
+    print(f"\nMiniLM-L6 on the sentiment set, 30 steps ZeRO-2: validation accuracy pretrained {acc_pre:.3f}, "
+          f"random init {acc_rand:.3f} (chance 0.5; validation adjectives never occur in training)")
+    assert acc_pre >= 0.8
+    assert acc_pre > acc_rand + 0.2
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(["zero=stage1"], id="zero1"),
+    pytest.param(["zero=stage2", "precision=bf16"], id="zero2-bf16"),
+    pytest.param(["zero=stage3", "offload=cpu"], id="zero3-param-offload"),
+])
+def test_bert_classification(tmp_path, cache_dir, overrides):
+    run_dir = tmp_path / "run"
+    # The pretrained MiniLM (BERT architecture): its loss falls within a few steps, unlike a
+    # from-scratch tiny BERT whose first steps on 2-class data are mostly noise.
+    proc = run_zerorun([*QUICK, "+model=minilm", "trainer.max_steps=10", "trainer.lr=1e-4", "trainer.save_every=5",
+                        "trainer.micro_batch_size=16", "data.seq_len=32", *overrides], run_dir, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    metrics, s = assert_run_dir_complete(run_dir, 10)
+    losses = [m["loss"] for m in metrics]
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.05, losses
+    assert 0 <= s["val_accuracy"] <= 1 and 0 <= s["val_f1"] <= 1 and s["val_loss"] > 0
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    if "offload=cpu" in overrides:
+        assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert_export_matches_engine(run_dir)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run_dir / "export").vocab_size == 30522
+
+
+def _corpus(n):
+    from zerorun.data import synthetic_corpus
+
+    return synthetic_corpus(n, seed=11)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+def test_gpt2_lm_on_user_files_reports_perplexity(tmp_path, cache_dir, fmt):
+    docs = _corpus(400)
+    path = tmp_path / f"corpus.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+        extra = ["data.text_column=body"]
+    else:
+        path.write_text("\n\n".join(docs))
+        extra = []
+    run_dir = tmp_path / "run"
+    proc = run_zerorun([*QUICK, f"data.path={path}", "data.seq_len=64", "trainer.max_steps=6", "trainer.lr=2e-3",
+                        "trainer.micro_batch_size=4", "trainer.eval_every=3", *extra], run_dir, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert f"data: {path}" in proc.stdout
+    s = summary(run_dir)
+    assert s["val_perplexity"] > 1 and abs(s["val_perplexity"] - __import__("math").exp(s["val_loss"])) < 1e-6 * s["val_perplexity"]
+    assert "val_perplexity" in read_metrics(run_dir)[2]  # eval_every=3 puts it on step 3's line
+
+
+MALFORMED = [
+    ("bad.jsonl", '{"text": "fine", "label": 1}\n{"text": "broken", "label": \n', [],
+     "bad.jsonl:2: not valid JSON"),
+    ("nocol.jsonl", '{"text": "fine", "label": 1}\n{"review": "x", "label": 0}\n', [],
+     "nocol.jsonl:2: no column 'text'"),
+    ("range.csv", "text,label\ngood,1\nbad,0\nodd,7\n", [], "range.csv:4: label 7 is outside [0, 2)"),
+    ("empty.jsonl", "", [], "empty.jsonl: the file is empty"),
+    ("nolabel.csv", "text,score\ngood,1\n", [], "nolabel.csv:2: no column 'label'"),
+]
+
+
+@pytest.mark.parametrize("name,content,extra,needle", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_data_exits_2_naming_file_and_line(tmp_path, cache_dir, name, content, extra, needle):
+    path = tmp_path / name
+    path.write_text(content)
+    proc = run_zerorun([*QUICK, "+model=tiny-bert", f"data.path={path}", *extra], tmp_path / "run", cache_dir,
+                       timeout=180)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert needle in proc.stdout and str(tmp_path) in proc.stdout, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout
+    assert not (tmp_path / "run" / "ds_config.json").exists()

@@ -1,0 +1,326 @@
+"""The memory estimator: exact parameter counts, the shape of the estimate, the gate and autofit.
+
+Pure arithmetic except the parameter-count checks, which build meta-device models (no memory).
+"""
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from zerorun import memory as M
+from zerorun.config import (Family, GateMode, HardwareConfig, ModelConfig, World, global_batch, grad_accum_steps, plan_world,
+                            register_schemas, to_run_config)
+from zerorun.hardware import GIB, Hardware
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+GPU8 = World(nproc_per_node=8, nnodes=1, accelerator="cuda")
+A100_8 = Hardware("cuda", 8, 40 * GIB, 512 * GIB, 1, 64)
+CPU2 = World(nproc_per_node=2, nnodes=1, accelerator="cpu")
+CPU_HOST = Hardware("cpu", 0, 0, 16 * GIB, 1, 2, fp16_ok=False)
+
+BERT_TINY = ModelConfig(name="bert-tiny", family=Family.bert, num_layers=2, hidden_size=128, num_heads=2,
+                        intermediate_size=512, vocab_size=30522, max_positions=512)
+BERT_BASE = ModelConfig(name="bert-base", family=Family.bert, num_layers=12, hidden_size=768, num_heads=12,
+                        intermediate_size=3072, vocab_size=30522, max_positions=512)
+
+
+def composed(*overrides):
+    register_schemas()
+    with initialize_config_module("zerorun.conf", version_base=None):
+        return to_run_config(compose("config", overrides=list(overrides)))
+
+
+def model_file(name: str) -> ModelConfig:
+    raw = OmegaConf.load(CONF / "model" / f"{name}.yaml")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+
+
+# --------------------------------------------------------------------------------------------- parameters
+
+
+def meta_model(m: ModelConfig, num_labels: int = 2):
+    """The model zerorun.models.build_model makes for the family's task, on the meta device."""
+    import torch
+
+    from zerorun.models import hf_config, model_class
+
+    with torch.device("meta"):
+        return model_class(M.default_task(m)).from_config(hf_config(m, num_labels))
+
+
+def region_numel(model, prefixes):
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))
+
+
+REGIONS = {
+    Family.gpt2: (("transformer.wte.", "transformer.wpe."), "transformer.h.0.", ("transformer.ln_f.",)),
+    Family.bert: ("bert.embeddings.", "bert.encoder.layer.0.", ("bert.pooler.", "classifier.")),
+    Family.roberta: ("roberta.embeddings.", "roberta.encoder.layer.0.", ("classifier.",)),
+}
+
+
+@pytest.mark.parametrize("m", [model_file(n) for n in MODEL_FILES] + [BERT_TINY, BERT_BASE], ids=lambda m: m.name)
+def test_param_count_matches_transformers(m):
+    model = meta_model(m)
+    unique = {id(p): p.numel() for p in model.parameters()}  # the tied LM head is the same tensor as wte
+    bd = M.param_breakdown(m)
+    assert M.count_params(m) == bd.total == sum(unique.values())
+    emb, layer0, head = REGIONS[m.family]
+    if m.family == Family.gpt2:
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert bd.tied_embedding == model.lm_head.weight.numel()
+    else:
+        assert bd.tied_embedding == 0
+    assert bd.embeddings == region_numel(model, emb)
+    assert bd.per_layer == region_numel(model, layer0)
+    assert bd.head == region_numel(model, head)
+    assert bd.largest_tensor == max(unique.values())
+    assert bd.buffer_bytes == sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@pytest.mark.parametrize("labels", [2, 5])
+def test_param_count_with_num_labels_and_gpt2_classifier(labels):
+    from zerorun.config import TaskName
+
+    bert = meta_model(BERT_TINY, labels)
+    expected = sum(p.numel() for p in bert.parameters())
+    assert M.count_params(BERT_TINY, TaskName.sequence_classification, labels) == expected
+    import torch
+
+    from zerorun.models import hf_config, model_class
+
+    gpt2 = model_file("tiny-gpt2")
+    with torch.device("meta"):
+        cls = model_class(TaskName.sequence_classification).from_config(hf_config(gpt2, labels))
+    assert M.count_params(gpt2, TaskName.sequence_classification, labels) == sum(p.numel() for p in cls.parameters())
+
+
+def test_known_sizes():
+    assert M.count_params(model_file("gpt2")) == 124_439_808  # HF's count for openai-community/gpt2
+    assert M.count_params(BERT_BASE) == 109_483_778  # bert-base-uncased + 2-way classifier
+
+
+# --------------------------------------------------------------------------------------------- estimate
+
+
+def est(*overrides, world=GPU8, hw=A100_8):
+    return M.estimate(composed(*overrides), world, hw)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_model_states_shrink_with_stage(model, precision):
+    states = [est(f"+model={model}", f"zero=stage{s}", f"precision={precision}").model_state_bytes for s in range(4)]
+    assert states[3] <= states[2] <= states[1] <= states[0]
+    assert states[3] < states[0] / 4  # 16Ψ → ~16Ψ/N at N=8 (§1.1)
+
+
+def test_checkpointing_reduces_activations():
+    base = ("+model=gpt2-medium", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8")
+    off, on = est(*base), est(*base, "trainer.activation_checkpointing=true")
+    assert on.phases["loss"]["activations"] < off.phases["loss"]["activations"] / 10
+    assert on.per_rank_peak_bytes < off.per_rank_peak_bytes
+    assert on.phases["backward"]["activations"] > on.phases["loss"]["activations"]  # the recomputed layer
+
+
+def test_offload_moves_optimizer_to_host():
+    base = ("+model=gpt2-large", "zero=stage2", "precision=bf16")
+    dev, off = est(*base), est(*base, "offload=cpu")
+    P = M.count_params(model_file("gpt2-large"))
+    part = -(-P // 8)
+    assert dev.phases["optimizer step"]["optimizer states"] == 8 * part
+    assert "optimizer states" not in off.phases["optimizer step"]
+    assert "fp32 master copies" not in off.phases["optimizer step"]
+    assert off.host_components["optimizer states (host)"] == 8 * part
+    assert off.host_components["fp32 master copies (host)"] == 4 * part
+    assert off.per_rank_peak_bytes < dev.per_rank_peak_bytes
+    # ZeRO-3 parameter offload moves the 16-bit partition too; NVMe puts the fp32 states on disk.
+    z3 = est("+model=gpt2-large", "zero=stage3", "precision=bf16", "offload=cpu")
+    assert z3.host_components["parameters (host)"] == 2 * part and "parameters" not in z3.phases["optimizer step"]
+    nvme = est("+model=gpt2-large", "zero=stage3", "precision=bf16", "offload=nvme")
+    assert nvme.nvme_bytes == 8 * (part * (4 + 8 + 4) + part * 2)
+    assert "optimizer states (host)" not in nvme.host_components
+
+
+def test_peak_is_max_over_phases_not_a_sum():
+    e = est("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024")
+    sums = {k: sum(v.values()) for k, v in e.phases.items()}
+    assert e.peak_phase == max(sums, key=sums.get) == "loss"
+    assert sum(e.components.values()) == e.per_rank_peak_bytes
+    # The optimizer-step transient and the embedding transient are not added to the loss peak.
+    assert "optimizer-step transient" not in e.components and "embedding grad transient" not in e.components
+
+
+def test_golden_gpt2_stage2_bf16():
+    """GPT-2 small, ZeRO-2, bf16, 8 × 40 GiB GPUs, micro 4 × seq 512: every term by hand."""
+    e = est("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=512", "trainer.micro_batch_size=4")
+    P, V, h, a, L, b, s, I = 124_439_808, 50257, 768, 12, 12, 4, 512, 3072
+    part = -(-P // 8)  # 15_554_976
+    sbh = s * b * h
+    # Per layer (CUDA SDPA flash, bf16 = 2 bytes, dropout masks 1 byte, KV-cache copies on):
+    #   2 bytes × (LN 2 + QKV in 1 + proj in 1 + fc1 in 1 + fc2 in 4 + gelu_new 16 + q,k,v 3 + K,V copies 2)
+    #   + 2 one-byte dropout masks + fp32 log-sum-exp 4·a·s·b + LN stats 2 LNs × (mean, rstd) × 4 bytes
+    layer = 2 * 30 * sbh + 2 * sbh + 4 * a * s * b + 2 * 2 * s * b * 4
+    outside = sbh + 2 * 2 * sbh + 2 * s * b * 4  # embedding dropout mask; ln_f in + LM-head in; ln_f stats
+    loss = {
+        "parameters": 2 * P,
+        "buffers": L * (1024 * 1024 + 4),
+        "gradients": 2 * part,  # grads_in_partition
+        "fp32 master copies": 4 * part,
+        "optimizer states": 8 * part,
+        "activations": outside + L * layer,
+        "logits + loss": 12 * b * s * V,
+        "reduce buckets": h * h * 2,
+    }
+    assert dict(e.phases["loss"]) == loss
+    assert e.peak_phase == "loss"
+    alloc = sum(loss.values())
+    # 248,879,616 + 12,582,960 + 31,109,952 + 62,219,904 + 124,439,808 + 1,179,664,384 + 1,235,116,032 + 1,179,648
+    assert alloc == 2_895_192_304
+    expected = alloc + int(0.10 * alloc) + GIB // 2 + GIB  # allocator margin, CUDA context, NCCL
+    assert e.per_rank_peak_bytes == expected
+    assert e.top(3) == [("logits + loss", 12 * b * s * V), ("activations", outside + L * layer), ("parameters", 2 * P)]
+    step = e.phases["optimizer step"]
+    assert step["optimizer-step transient"] == part * 2 + part * 4  # flat bf16 copy + its fp32 copy (6Ψ/N)
+    assert e.phases["embedding grad"]["embedding grad transient"] == 3 * V * h * 2
+    assert e.fits and e.device_capacity_bytes == 40 * GIB
+
+
+def test_bert_classification():
+    e = est("+model=bert-base-uncased", "zero=stage2", "precision=bf16", "data.seq_len=512",
+            "trainer.micro_batch_size=32")
+    assert e.summary["task"] == "sequence_classification" and e.params == 109_483_778
+    assert e.phases["loss"]["logits + loss"] == 12 * 32 * 2  # b × num_labels: no vocabulary term
+    assert e.peak_phase in ("loss", "backward")
+    assert e.phases["embedding grad"]["embedding grad transient"] == 30522 * 768 * 2  # untied: one V×h grad
+    five = est("+model=bert-base-uncased", "task.num_labels=5")
+    assert five.params == e.params + 3 * 768 + 3
+
+
+def test_to_json_and_cpu_ranks():
+    e = est("+model=tiny-gpt2", "zero=stage2", "offload=cpu", world=CPU2, hw=CPU_HOST)
+    assert e.device == "cpu (host RAM)"
+    assert e.device_capacity_bytes == 8 * GIB  # host RAM / ranks per node
+    assert "CUDA context" not in e.components and "process runtime" in e.components
+    assert e.host_bytes_per_node == 2 * e.per_rank_peak_bytes
+    assert any(k.endswith("(host)") for k in e.components)  # offloaded state shares the same RAM
+    doc = json.loads(json.dumps(e.to_json()))
+    assert doc["per_rank_peak_bytes"] == e.per_rank_peak_bytes and doc["fits"] is True
+    assert doc["config"]["attention_kernel"] == "sdpa-math"  # CPU SDPA with dropout falls back to math
+
+
+def test_estimate_is_fast():
+    cfg = composed("+model=gpt2-xl", "zero=stage3")
+    t0 = time.perf_counter()
+    for stage in range(4):
+        M.estimate(dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage)), GPU8, A100_8)
+    assert time.perf_counter() - t0 < 0.5
+
+
+# --------------------------------------------------------------------------------------------- gate
+
+
+LARGE_FP32 = ("+model=gpt2-large", "zero=stage0", "precision=fp32", "data.seq_len=1024", "trainer.micro_batch_size=8",
+              "hardware.gpu_mem_gib=16", "hardware.host_mem_gib=256")
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_gate_strict_refuses_with_top_consumers_and_a_fix(gpus):
+    cfg = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}")
+    hw = M.resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    assert (hw.gpu_mem_bytes, world.size) == (16 * GIB, gpus)
+    d = M.gate(cfg, world, hw, GateMode.strict)
+    assert not d.ok and not d.estimate.fits
+    top = d.estimate.top(3)
+    assert [k for k, _ in top] == ["activations", "optimizer states", "logits + loss"]
+    for name, size in top:
+        assert f"{name} {size / GIB:.2f} GiB" in d.message
+    assert "16.00 GiB" in d.message
+    assert d.suggestion and " ".join(d.suggestion) in d.message
+    assert "trainer.micro_batch_size=" in d.message and "trainer.global_batch_size=" in d.message
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_autofit_fits_and_keeps_the_global_batch(gpus):
+    cfg = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}")
+    hw = M.resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    d = M.gate(cfg, world, hw, GateMode.autofit)
+    assert d.ok and d.changes and d.estimate.fits
+    assert M.estimate(d.cfg, world, hw).fits
+    assert global_batch(d.cfg, world) == global_batch(cfg, world) == 8 * gpus
+    mb = d.cfg.trainer.micro_batch_size
+    assert d.cfg.trainer.global_batch_size == mb * grad_accum_steps(d.cfg, world) * world.size
+    assert cfg.trainer.micro_batch_size == 8 and cfg.trainer.global_batch_size is None  # input untouched
+    assert d.overrides == [c.override() for c in d.changes]
+    # The fastest fit: the earliest knobs only. A smaller micro-batch alone does not fit here.
+    keys = {c.key for c in d.changes}
+    assert "trainer.micro_batch_size" in keys and "offload.device" not in keys
+
+
+def test_autofit_prefers_micro_batch_then_checkpointing():
+    cfg = composed("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=16",
+                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=8", "hardware.host_mem_gib=256")
+    hw = M.resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    d = M.gate(cfg, world, hw, GateMode.autofit)
+    assert d.ok
+    # Only the micro-batch moves, to the largest one that fits without checkpointing.
+    mb = d.cfg.trainer.micro_batch_size
+    assert d.overrides == [f"trainer.micro_batch_size={mb}", "trainer.global_batch_size=128"]
+    bigger = dataclasses.replace(d.cfg, trainer=dataclasses.replace(d.cfg.trainer, micro_batch_size=2 * mb))
+    assert not M.estimate(bigger, world, hw).fits
+    # With less memory still, checkpointing comes in before any ZeRO or offload change.
+    tight = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu_mem_gib=3))
+    hw = M.resolve_hardware(tight.hardware, None)
+    d = M.gate(tight, world, hw, GateMode.autofit)
+    assert d.ok and "trainer.activation_checkpointing=true" in d.overrides
+    assert not [o for o in d.overrides if o.startswith(("zero=", "offload"))]
+
+
+def test_gate_modes():
+    cfg = composed(*LARGE_FP32, "hardware.gpus_per_node=8")
+    hw = M.resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    warn = M.gate(cfg, world, hw, GateMode.warn)
+    assert warn.ok and warn.warning and warn.cfg is cfg
+    off = M.gate(cfg, world, hw, GateMode.off)
+    assert off.ok and off.warning is None and off.estimate.per_rank_peak_bytes > 16 * GIB
+    small = composed("+model=tiny-gpt2", "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=16")
+    fits = M.gate(small, world, hw)  # cfg.gate is strict by default
+    assert fits.ok and fits.mode == GateMode.strict and not fits.changes
+
+
+def test_gate_refuses_when_nothing_fits():
+    cfg = composed("+model=gpt2-xl", "precision=bf16", "data.seq_len=1024", "hardware.gpus_per_node=1",
+                   "hardware.gpu_mem_gib=1", "hardware.host_mem_gib=8")
+    hw = M.resolve_hardware(cfg.hardware, None)
+    d = M.gate(cfg, plan_world(cfg, hw), hw, GateMode.autofit)
+    assert not d.ok and "no micro-batch" in d.message
+
+
+def test_resolve_hardware():
+    detected = Hardware("cpu", 0, 0, 64 * GIB, 1, 8, fp16_ok=False)
+    hw = M.resolve_hardware(HardwareConfig(gpus_per_node=8, gpu_mem_gib=40), detected)
+    assert (hw.accelerator, hw.gpus_per_node, hw.gpu_mem_bytes, hw.host_mem_bytes) == ("cuda", 8, 40 * GIB, 64 * GIB)
+    assert M.resolve_hardware(HardwareConfig(), detected) == detected
+    assert not M.needs_detection(HardwareConfig(gpus_per_node=8, gpu_mem_gib=40))
+    assert not M.needs_detection(HardwareConfig(gpus_per_node=0))
+    assert M.needs_detection(HardwareConfig(gpus_per_node=8))
+    hw = M.resolve_hardware(HardwareConfig(gpus_per_node=4, gpu_mem_gib=80), None, host_mem_bytes=GIB, cpu_cores=3)
+    assert (hw.gpus_per_node, hw.host_mem_bytes, hw.cpu_cores, hw.accelerator) == (4, GIB, 3, "cuda")
+
+
+def test_table_rows_are_valid_combinations():
+    from zerorun.config import check
+
+    rows = M.table_configs(composed("+model=gpt2"))
+    assert len(rows) == 1 + 2 + 2 + 5
+    for _, cfg in rows:
+        assert not check(cfg, GPU8, libaio=True), cfg.zero
