@@ -203,7 +203,10 @@ def _hydra_app(raw: DictConfig) -> int:
     outcome = launch(raw, Path(hc.runtime.output_dir))
     _state["outcomes"].append(outcome)
     if hc.mode == RunMode.MULTIRUN:
-        say(f"sweep point {hc.job.num} ({hc.job.override_dirname or 'defaults'}): {outcome.status}")
+        what = {"memory": "skipped, does not fit (memory gate)", "bad-config": "skipped, bad config",
+                "bad-data": "skipped, bad data", "failed": f"failed (exit code {outcome.code})"}
+        say(f"sweep point {hc.job.num} ({hc.job.override_dirname or 'defaults'}): "
+            f"{what.get(outcome.status, outcome.status)}")
         return outcome.code
     if outcome.code != 0:
         sys.exit(outcome.code)

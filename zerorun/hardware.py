@@ -25,7 +25,7 @@ class Hardware:
     def describe(self) -> str:
         if self.accelerator == "cpu":
             return f"no GPU: CPU ranks on gloo (DS_ACCELERATOR=cpu), {self.cpu_cores} cores, {self.host_mem_bytes / GIB:.0f} GiB RAM"
-        return (f"{self.nodes} node(s) × {self.gpus_per_node} GPU(s) of {self.gpu_mem_bytes / GIB:.0f} GiB, "
+        return (f"{self.nodes} node(s) × {self.gpus_per_node} GPU(s) of {self.gpu_mem_bytes / GIB:.3g} GiB, "
                 f"{self.host_mem_bytes / GIB:.0f} GiB host RAM per node")
 
 

@@ -1,0 +1,61 @@
+"""The memory gate in front of every launch: refuse, autofit (global batch kept), and sweeps."""
+import json
+
+import pytest
+
+from conftest import BIN, base_env, read_metrics, run_zerorun
+
+pytestmark = pytest.mark.e2e
+
+# A declared GPU cluster this CPU machine is not: the gate plans for it, the ranks still run here.
+TWO_16GIB_GPUS = ["hardware.gpus_per_node=2", "hardware.gpu_mem_gib=16"]
+# Small enough that tiny-gpt2 at micro-batch 8 × 256 tokens does not fit, but micro-batch 2 does
+# (1.5 GiB of it is the CUDA context and NCCL the estimate adds on GPUs).
+TWO_SMALL_GPUS = ["hardware.gpus_per_node=2", "hardware.gpu_mem_gib=1.6", "data.seq_len=256"]
+
+
+def test_strict_gate_refuses_gpt2_large_on_16gib(tmp_path, cache_dir):
+    proc = run_zerorun(["+model=gpt2-large", "zero=stage0", "precision=fp32", "data.seq_len=1024",
+                        *TWO_16GIB_GPUS], tmp_path / "run", cache_dir, timeout=180)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    out = proc.stdout
+    assert "needs" in out and "per GPU" in out and "has 16.00 GiB" in out
+    assert "Biggest: activations" in out and "optimizer states" in out  # the top consumers, by name
+    assert "A config that fits" in out and "trainer.micro_batch_size=" in out and "gate=autofit" in out
+    assert not (tmp_path / "run" / "ds_config.json").exists()
+
+
+def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = run_zerorun(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2", "trainer.max_steps=3",
+                        "trainer.progress=false", "trainer.export=false"], run_dir, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "autofit: trainer.micro_batch_size=2 trainer.global_batch_size=16" in proc.stdout
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 4, 16)
+    est = json.loads((run_dir / "estimate.json").read_text())
+    assert est["gate"]["mode"] == "autofit" and est["fits"] is True
+    assert {c["key"] for c in est["gate"]["changes"]} >= {"trainer.micro_batch_size"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["estimated_peak_bytes"] == est["per_rank_peak_bytes"]
+    assert len(read_metrics(run_dir)) == 3
+
+
+def test_sweep_skips_points_that_do_not_fit(tmp_path, cache_dir):
+    import subprocess
+
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run([str(BIN / "zerorun"), "-m", "trainer.micro_batch_size=8,2", *TWO_SMALL_GPUS,
+                           "launcher.nproc_per_node=2", "trainer.max_steps=2", "trainer.progress=false",
+                           "trainer.export=false", f"hydra.sweep.dir={sweep_dir}"],
+                          env=base_env(cache_dir), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    import re
+
+    assert re.search(r"sweep point 0 \([^)]*trainer.micro_batch_size=8[^)]*\): skipped, does not fit", proc.stdout)
+    assert re.search(r"sweep point 1 \([^)]*trainer.micro_batch_size=2[^)]*\): completed", proc.stdout)
+    assert "sweep: 2 points: completed 1, memory 1" in proc.stdout
+    points = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert not (points[0] / "ds_config.json").exists()
+    assert json.loads((points[1] / "summary.json").read_text())["status"] == "completed"
