@@ -11,16 +11,16 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, launcher
-from .config import ConfigError, RunConfig, World, check, global_batch, grad_accum_steps, register_schemas, \
+from .config import ConfigError, RunConfig, check, global_batch, grad_accum_steps, register_schemas, \
     to_run_config, unknown_override_keys, resolved_task, plan_world
 from .ds_config import render
-from .hardware import GIB, Hardware, detect
+from .hardware import GIB, detect
 from .memory import gate as memory_gate, resolve_hardware
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2

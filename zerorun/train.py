@@ -63,7 +63,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def build(self) -> None:
-        torch, cfg = self.torch, self.cfg
+        cfg = self.cfg
         _seed_everything(cfg.seed)  # identical initial weights on every rank
         self._hf_ds_config = None
         if cfg.zero.stage == 3 and cfg.model.pretrained:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics, run_zerorun
+from conftest import run_zerorun
 from test_train import assert_export_matches_engine, assert_run_dir_complete
 
 pytestmark = pytest.mark.e2e
