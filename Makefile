@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast system-deps install
+.PHONY: demo test test-fast system-deps install ops
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,7 +28,11 @@ system-deps:
 demo: $(VENV)/.installed
 	$(VENV)/bin/zerorun
 
-test: system-deps $(VENV)/.installed
+# DeepSpeed's CPU ops (cpu_adam, async_io, shm comm) compiled once, before any timed-out rank start.
+ops: system-deps $(VENV)/.installed
+	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
+
+test: system-deps $(VENV)/.installed ops
 	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 tests
 
 test-fast: $(VENV)/.installed

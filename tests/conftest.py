@@ -23,7 +23,7 @@ def base_env(cache_dir: Path) -> dict:
     return env
 
 
-def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=600, env_extra=None, cwd=None):
+def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra=None, cwd=None):
     """Run the real console script; returns the CompletedProcess (stdout+stderr merged)."""
     env = base_env(cache_dir)
     env.update(env_extra or {})
