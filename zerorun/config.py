@@ -399,7 +399,12 @@ def data_parallel_size(cfg: RunConfig, world: World) -> int:
 
 
 def global_batch(cfg: RunConfig, world: World) -> int:
-    return cfg.trainer.global_batch_size or cfg.trainer.micro_batch_size * data_parallel_size(cfg, world)
+    """Sequences per optimizer step over all ranks. A pipeline's parallel.micro_batches, when set,
+    is the accumulation count (DeepSpeed's pipeline streams that many micro-batches per step)."""
+    if cfg.trainer.global_batch_size:
+        return cfg.trainer.global_batch_size
+    accum = cfg.parallel.micro_batches if cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches else 1
+    return cfg.trainer.micro_batch_size * accum * data_parallel_size(cfg, world)
 
 
 def grad_accum_steps(cfg: RunConfig, world: World) -> int:
@@ -558,11 +563,49 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> Lis
             "cannot reach this loopback address. Fix: launcher.master_addr=<node 0's hostname or IP>."
         )
     if cfg.parallel.mode == ParallelMode.pipeline:
-        problems.append(
-            "parallel=pipeline is not available yet in this version of zerorun. Fix: parallel=dp."
-        )
+        problems += _check_pipeline(cfg, world)
 
     problems += _check_deepspeed_overrides(cfg.deepspeed, prec.dtype)
+    return problems
+
+
+def _check_pipeline(cfg: RunConfig, world: World) -> List[str]:
+    par, problems = cfg.parallel, []
+    if cfg.zero.stage >= 2:
+        problems.append(
+            f"parallel=pipeline with zero.stage={cfg.zero.stage}: DeepSpeed refuses ZeRO-2 and ZeRO-3 with pipeline "
+            "parallelism (they partition gradients/parameters across the pipeline's data-parallel groups). "
+            "Fix: zero=stage1 or zero=stage0, or parallel=dp."
+        )
+    if par.stages < 1 or world.size % par.stages:
+        problems.append(
+            f"parallel.stages={par.stages} does not divide the world size {world.size} "
+            f"({world.nnodes} node(s) × {world.nproc_per_node} rank(s)). Fix: parallel.stages="
+            f"{max(d for d in range(1, world.size + 1) if world.size % d == 0 and d <= max(1, par.stages))}, "
+            "or a rank count that is a multiple of it."
+        )
+    if par.stages > cfg.model.num_layers:
+        problems.append(
+            f"parallel.stages={par.stages} exceeds the {cfg.model.num_layers} transformer layers of {cfg.model.name}: "
+            f"some stage would hold no layer. Fix: parallel.stages={cfg.model.num_layers} or fewer."
+        )
+    if par.partition not in ("parameters", "uniform"):
+        problems.append(f"parallel.partition={par.partition}: must be parameters or uniform.")
+    if par.micro_batches < 0:
+        problems.append(f"parallel.micro_batches={par.micro_batches}: must be 0 (derived) or positive.")
+    elif par.stages >= 1 and world.size % par.stages == 0:
+        accum = grad_accum_steps(cfg, world)
+        if par.micro_batches and cfg.trainer.global_batch_size and accum != par.micro_batches:
+            problems.append(
+                f"parallel.micro_batches={par.micro_batches} disagrees with trainer.global_batch_size="
+                f"{cfg.trainer.global_batch_size} (which gives {accum} micro-batches per step). Fix: set one of them."
+            )
+        elif accum < par.stages:
+            problems.append(
+                f"{accum} micro-batch(es) per step for {par.stages} pipeline stages: most stages would sit idle "
+                f"(the pipeline bubble). Fix: parallel.micro_batches={par.stages} or more (or a larger "
+                "trainer.global_batch_size)."
+            )
     return problems
 
 

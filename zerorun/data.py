@@ -567,34 +567,40 @@ def open_split(prepared: Prepared, which: str):
 
 
 class RankSampler:
-    """Shuffled, disjoint micro-batches per data-parallel rank, resumable from a sample count.
+    """Shuffled, disjoint micro-batches per data-parallel rank, resumable from a count.
 
-    Epoch e uses the permutation seeded by (seed, e); rank r takes every world-th index of it.
-    The state is just ``consumed`` (micro-batches drawn by this rank), so resume is exact.
+    Epoch e uses the permutation seeded by (seed, e). Optimizer step k takes the k-th run of
+    global-batch indices (micro × ranks × accumulation) from it, and data-parallel rank r gets
+    micro-batch j's slice j·ranks + r. So a step sees the same sequences whatever the split into
+    ranks and micro-batches (data parallel or pipeline), and the state is just ``consumed``
+    (micro-batches drawn by this rank): resume is exact.
     """
 
-    def __init__(self, n: int, rank: int, world: int, micro_batch: int, seed: int):
-        self.n, self.rank, self.world, self.micro, self.seed = n, rank, world, micro_batch, seed
-        self.per_rank = n // world  # equal shards; the remainder is dropped each epoch
-        if self.per_rank < micro_batch:
+    def __init__(self, n: int, rank: int, world: int, micro_batch: int, seed: int, accum: int = 1):
+        self.n, self.rank, self.world, self.micro, self.seed, self.accum = n, rank, world, micro_batch, seed, accum
+        self.global_batch = micro_batch * world * accum
+        if n < self.global_batch:
             raise DataError(
-                f"{n} training sequences are too few for {world} ranks × micro-batch {micro_batch}. "
-                "Fix: more data, a smaller data.seq_len or a smaller trainer.micro_batch_size."
+                f"{n} training sequences are too few for one global batch of {self.global_batch} "
+                f"({world} ranks × micro-batch {micro_batch} × accumulation {accum}). "
+                "Fix: more data, a smaller data.seq_len or a smaller batch."
             )
-        self.batches_per_epoch = self.per_rank // micro_batch
+        self.steps_per_epoch = n // self.global_batch  # the remainder is dropped each epoch
+        self.batches_per_epoch = self.steps_per_epoch * accum
         self.consumed = 0
         self._epoch_cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
 
-    def _shard(self, epoch: int) -> np.ndarray:
+    def _perm(self, epoch: int) -> np.ndarray:
         if self._epoch_cache[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-            self._epoch_cache = (epoch, perm[self.rank: self.per_rank * self.world: self.world])
+            self._epoch_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
         return self._epoch_cache[1]
 
     def next_indices(self) -> np.ndarray:
         epoch, b = divmod(self.consumed, self.batches_per_epoch)
         self.consumed += 1
-        return self._shard(epoch)[b * self.micro: (b + 1) * self.micro]
+        step, j = divmod(b, self.accum)
+        start = step * self.global_batch + (j * self.world + self.rank) * self.micro
+        return self._perm(epoch)[start: start + self.micro]
 
     @property
     def epoch(self) -> int:

@@ -110,6 +110,10 @@ def render(cfg: RunConfig, world: World, *, nvme_path: str = "") -> Dict[str, An
             hysteresis=prec.hysteresis,
             min_loss_scale=prec.min_loss_scale,
         )
+    if cfg.parallel.mode.value == "pipeline":
+        # Read by zerorun.train to build the PipelineModule; DeepSpeed keeps it as its pipeline section.
+        ds["pipeline"] = {"stages": cfg.parallel.stages, "partition": cfg.parallel.partition,
+                          "activation_checkpoint_interval": 1 if tr.activation_checkpointing else 0}
     if cfg.offload.device == OffloadDevice.nvme:
         ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False,
                      "overlap_events": True, "thread_count": 1}

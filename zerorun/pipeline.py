@@ -393,10 +393,14 @@ def build_pipeline_module(model: nn.Module, task: Any = None, num_stages: int = 
                          f"use 1..{len(layers)} stages.")
     if dynamic_shape is None:
         dynamic_shape = task == SEQUENCE_CLASSIFICATION
-    return PipelineModule(layers=layers, num_stages=num_stages, topology=topology,
-                          loss_fn=loss_fn or loss_fn_for(task), partition_method=partition_method,
-                          activation_checkpoint_interval=activation_checkpoint_interval,
-                          checkpointable_layers=list(CHECKPOINTABLE_LAYERS), dynamic_shape=dynamic_shape, **kwargs)
+    # no_grad: the constructor broadcasts the tied weights in place (multi-stage); with grad mode on
+    # autograd records that c10d op on the Parameter and warns in the first backward.
+    with torch.no_grad():
+        return PipelineModule(layers=layers, num_stages=num_stages, topology=topology,
+                              loss_fn=loss_fn or loss_fn_for(task), partition_method=partition_method,
+                              activation_checkpoint_interval=activation_checkpoint_interval,
+                              checkpointable_layers=list(CHECKPOINTABLE_LAYERS), dynamic_shape=dynamic_shape,
+                              **kwargs)
 
 
 class SequentialPipe(nn.Module):

@@ -78,19 +78,35 @@ class Trainer:
 
         self.task = resolved_task(cfg)
         model = build_model(cfg.model, self.task, cfg.task.num_labels)
-        if cfg.trainer.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.pipeline = cfg.parallel.mode.value == "pipeline"
+        self.hf_model = model  # pipeline: the HF model whose submodules the stages wrap (export target)
+        if self.pipeline:
+            from .pipeline import build_pipeline_module, loss_fn_for
+
+            # The blocks are checkpointed by the PipelineModule (ds_config "pipeline" section).
+            module = build_pipeline_module(model, self.task, cfg.parallel.stages, cfg.parallel.partition,
+                                           self.ds_config["pipeline"]["activation_checkpoint_interval"],
+                                           loss_fn_for(self.task, model),
+                                           # evaluation's last batch and the probe are smaller than a micro-batch
+                                           dynamic_shape=True)
+        else:
+            module = model
+            if cfg.trainer.activation_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, _, _, self.scheduler = self.deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.ds_config
         )
         if self.scheduler is not None and getattr(self.scheduler, "last_batch_iteration", 0) < 0:
             self.scheduler.step()  # DeepSpeed's schedulers start "before step 0" at lr 0; step 1 uses iteration 0
         self.device = self.engine.device
         self.train_data = open_split(self.prepared, "train")
         self.val_data = open_split(self.prepared, "val")
-        self.sampler = RankSampler(len(self.train_data), self.rank, self.world, cfg.trainer.micro_batch_size,
-                                   cfg.seed)
         self.accum = self.engine.gradient_accumulation_steps()
+        # Data-parallel position: with a pipeline, the stages of one replica read the same batches.
+        self.dp_rank = self.engine.grid.data_parallel_id if self.pipeline else self.rank
+        self.dp_world = self.engine.dp_world_size if self.pipeline else self.world
+        self.sampler = RankSampler(len(self.train_data), self.dp_rank, self.dp_world, cfg.trainer.micro_batch_size,
+                                   cfg.seed, self.accum)
         self.start_step = 0
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         _seed_everything(cfg.seed + 1000 * (self.rank + 1))
@@ -98,6 +114,12 @@ class Trainer:
     # ------------------------------------------------------------------ batches
     def _batch(self, data, idx) -> Dict[str, Any]:
         return {k: self.torch.from_numpy(v).to(self.device) for k, v in data.batch(idx).items()}
+
+    def _pipe_item(self, data, idx):
+        """One pipeline micro-batch: ((inputs...), labels) as the first and last stage expect."""
+        b = self._batch(data, idx)
+        inputs = (b["input_ids"], b["attention_mask"]) if "attention_mask" in b else (b["input_ids"],)
+        return inputs, b["labels"]
 
     def _loss(self, batch: Dict[str, Any]):
         return self.engine(**batch).loss
@@ -126,14 +148,20 @@ class Trainer:
         for step in range(self.start_step + 1, tr.max_steps + 1):
             t0 = time.perf_counter()
             lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            for _ in range(self.accum):
-                loss = self._loss(self._batch(self.train_data, self.sampler.next_indices()))
-                self.engine.backward(loss)
-                self.engine.step()
-                total += loss.detach().double()
-            dist.all_reduce(total)
-            mean_loss = (total / (self.accum * self.world)).item()
+            if self.pipeline:
+                # The engine runs all micro-batches through the stages and returns their mean over
+                # micro-batches and replicas, on every rank.
+                items = [self._pipe_item(self.train_data, self.sampler.next_indices()) for _ in range(self.accum)]
+                mean_loss = float(self.engine.train_batch(iter(items)).double().item())
+            else:
+                total = torch.zeros((), dtype=torch.float64, device=self.device)
+                for _ in range(self.accum):
+                    loss = self._loss(self._batch(self.train_data, self.sampler.next_indices()))
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    total += loss.detach().double()
+                dist.all_reduce(total)
+                mean_loss = (total / (self.accum * self.world)).item()
             dt = time.perf_counter() - t0
             record: Dict[str, Any] = {"step": step, "loss": mean_loss, "lr": lr, "tokens_per_s": tokens_per_step / dt,
                                       "step_time_s": dt, "epoch": self.sampler.epoch,
@@ -171,21 +199,28 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, examples
         confusion = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=self.device)  # [true, predicted]
         mb = self.cfg.trainer.micro_batch_size
-        mine = list(range(self.rank, len(self.val_data), self.world))
-        # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively);
-        # a rank with no rows left runs row 0 with weight 0.
-        n_batches = math.ceil(math.ceil(len(self.val_data) / self.world) / mb)
+        mine = list(range(self.dp_rank, len(self.val_data), self.dp_world))
+        # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively, pipeline
+        # stages exchange activations); a rank with no rows left runs row 0 with weight 0.
+        n_batches = math.ceil(math.ceil(len(self.val_data) / self.dp_world) / mb)
+        # A pipeline's loss and logits live on its last stage; only that stage counts them.
+        counts = not self.pipeline or self.engine.is_last_stage()
         with torch.no_grad():
             for b in range(n_batches):
                 idx = mine[b * mb:(b + 1) * mb]
                 batch = self._batch(self.val_data, idx or [0])
-                out = self.engine(**batch)
-                if not idx:
+                if self.pipeline:
+                    loss, logits = self.engine.eval_batch(iter([self._pipe_item(self.val_data, idx or [0])]),
+                                                          return_logits=True, num_micro_batches=1)
+                else:
+                    out = self.engine(**batch)
+                    loss, logits = out.loss, out.logits
+                if not idx or not counts:
                     continue
-                total += torch.tensor([out.loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
+                total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
                                       device=self.device)
                 if classify:
-                    pred = out.logits.argmax(-1)
+                    pred = logits.argmax(-1)
                     confusion.index_put_((batch["labels"], pred), torch.ones_like(pred, dtype=torch.float64),
                                          accumulate=True)
         self.dist.all_reduce(total)
@@ -215,7 +250,11 @@ class Trainer:
         """Save the final model in Hugging Face format (ZeRO-3 weights gathered) plus a logits probe."""
         torch = self.torch
         out = self.run_dir / "export"
-        if self.cfg.zero.stage == 3:
+        if self.pipeline:
+            from .pipeline import gather_hf_state_dict
+
+            state_dict = gather_hf_state_dict(self.engine, self.hf_model)  # collective; rank 0 gets it
+        elif self.cfg.zero.stage == 3:
             state_dict = self.engine._zero3_consolidated_16bit_state_dict()
         else:
             state_dict = self.engine.module.state_dict()
@@ -227,11 +266,25 @@ class Trainer:
             probe["attention_mask"] = probe["attention_mask"][:, :32]
         self.engine.eval()
         with torch.no_grad():
-            logits = self.engine.module(**probe).logits.float().cpu()
+            if self.pipeline:
+                inputs = (probe["input_ids"], probe["attention_mask"]) if "attention_mask" in probe \
+                    else (probe["input_ids"],)
+                labels = probe["input_ids"] if self.task == TaskName.causal_lm else torch.zeros(
+                    len(probe["input_ids"]), dtype=torch.long, device=self.device)
+                _, logits = self.engine.eval_batch(iter([(inputs, labels)]), return_logits=True, num_micro_batches=1)
+                # The last stage holds the logits: send them to rank 0 for the probe file.
+                holder = [logits.float().cpu() if self.engine.is_last_stage() and self.engine.grid.data_parallel_id == 0
+                          else None]
+                gathered = [None] * self.world
+                self.dist.all_gather_object(gathered, holder[0])
+                logits = next(g for g in gathered if g is not None)
+            else:
+                logits = self.engine.module(**probe).logits.float().cpu()
         self.engine.train()
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+            hf = self.hf_model if self.pipeline else self.engine.module
+            hf.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(self.prepared.tokenizer_dir).save_pretrained(str(out))

@@ -74,3 +74,25 @@ def test_unknown_keys_are_found_with_suggestions():
     assert unknown_override_keys(["deepspeed.anything=1", "trainer.max_steps=3"]) == []
     with pytest.raises(ConfigError, match="unknown key trainer.max_step"):
         composed("+trainer.max_step=3")
+
+
+def test_pipeline_checks():
+    two = World(nproc_per_node=2, nnodes=1, accelerator="cpu")
+    assert check(composed("parallel=pipeline", "parallel.micro_batches=2"), two) == []
+    problems = check(composed("parallel=pipeline", "zero=stage2"), two)
+    assert any("DeepSpeed refuses ZeRO-2 and ZeRO-3 with pipeline" in p for p in problems)
+    problems = check(composed("parallel=pipeline", "parallel.stages=3", "parallel.micro_batches=3"), two)
+    assert any("parallel.stages=3 does not divide the world size 2" in p for p in problems)
+    problems = check(composed("parallel=pipeline", "parallel.stages=4", "parallel.micro_batches=4"),
+                     World(nproc_per_node=4, nnodes=1, accelerator="cpu"))
+    assert any("exceeds the 2 transformer layers of tiny-gpt2" in p for p in problems)
+    problems = check(composed("parallel=pipeline", "parallel.micro_batches=1"), two)
+    assert any("1 micro-batch(es) per step for 2 pipeline stages" in p for p in problems)
+
+
+def test_pipeline_micro_batches_set_the_accumulation():
+    from zerorun.config import global_batch, grad_accum_steps
+
+    cfg = composed("parallel=pipeline", "parallel.micro_batches=4", "trainer.micro_batch_size=2")
+    four = World(nproc_per_node=4, nnodes=1, accelerator="cpu")  # 2 stages × 2 data-parallel replicas
+    assert (global_batch(cfg, four), grad_accum_steps(cfg, four)) == (16, 4)

@@ -32,7 +32,7 @@ def test_rank_sampler_resumes_from_consumed():
 
 
 def test_rank_sampler_refuses_too_little_data():
-    with pytest.raises(DataError, match="too few"):
+    with pytest.raises(DataError, match="too few for one global batch"):
         RankSampler(5, 0, 2, 4, seed=0)
 
 
@@ -58,3 +58,12 @@ def test_malformed_files_name_file_and_line(tmp_path, name, content, needle):
     p.write_text(content)
     with pytest.raises(DataError, match=needle.replace("(", r"\(")):
         read_lm_texts(str(p), "auto", "text")
+
+
+def test_a_step_sees_the_same_sequences_however_it_is_split():
+    """2 ranks × 2 micro-batches, 1 rank × 4 and 4 ranks × 1 draw the same global batch per step."""
+    def step_set(world, accum):
+        samplers = [RankSampler(64, r, world, 2, seed=3, accum=accum) for r in range(world)]
+        return sorted(int(i) for s in samplers for _ in range(accum) for i in s.next_indices())
+
+    assert step_set(2, 2) == step_set(1, 4) == step_set(4, 1)

@@ -1,0 +1,370 @@
+"""zerorun.pipeline: HF models as DeepSpeed pipeline layers, run in one process, and back to HF names.
+
+Everything but the last test runs the layer list in this process (as a one-stage PipelineModule
+would) without torch.distributed; the last one builds a real one-process PipelineModule + engine on
+gloo in a subprocess.
+"""
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2ForSequenceClassification,
+                          GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification)
+
+from zerorun.config import TaskName
+from zerorun.pipeline import (CHECKPOINTABLE_LAYERS, SequentialPipe, build_pipeline_module, causal_lm_loss,
+                              export_state_dict, merge_state_dicts, pipeline_layers, sequence_classification_loss,
+                              stage_state_dict)
+
+ROOT = Path(__file__).resolve().parents[2]
+ATOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; these models are tiny
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_gpt2(impl="sdpa", dropout=0.1, **kw):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=dropout,
+                     embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation=impl, **kw)
+    model = GPT2LMHeadModel(cfg)
+    model.config.loss_type = "ForCausalLM"
+    return model
+
+
+def tiny_bert(impl="sdpa", num_labels=3, dropout=0.1, cls=BertForSequenceClassification, config_cls=BertConfig,
+              **kw):
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64, num_labels=num_labels,
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=impl, **kw)
+    model = cls(cfg)
+    model.config.loss_type = "ForSequenceClassification"
+    return model
+
+
+def padded_batch(batch=4, width=16, seed=1):
+    """Random ids with a right-padded row, a left-padded row and two full rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 256, (batch, width), generator=g)
+    mask = torch.ones(batch, width, dtype=torch.long)
+    mask[0, width - 6:] = 0
+    mask[1, :3] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def assert_close(a, b):
+    assert a.shape == b.shape
+    assert torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=ATOL), (a - b).abs().max()
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward parity
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_gpt2_pipeline_matches_hf_forward(impl):
+    model = tiny_gpt2(impl).eval()
+    pipe = SequentialPipe(pipeline_layers(model, TaskName.causal_lm)).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        for inputs, kwargs in (((ids,), {}), (ids, {}), ((ids, mask), {"attention_mask": mask})):
+            ref = model(input_ids=ids, labels=ids, **kwargs)
+            logits = pipe(inputs)
+            assert_close(logits, ref.logits)
+            assert_close(causal_lm_loss(logits, ids), ref.loss)
+
+
+def test_gpt2_loss_ignores_minus_100_like_hf():
+    model = tiny_gpt2().eval()
+    pipe = SequentialPipe(pipeline_layers(model, "causal_lm")).eval()
+    ids, _ = padded_batch()
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels)
+        assert_close(causal_lm_loss(pipe(ids), labels), ref.loss)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_bert_pipeline_matches_hf_forward(impl):
+    model = tiny_bert(impl).eval()
+    pipe = SequentialPipe(pipeline_layers(model, TaskName.sequence_classification)).eval()
+    ids, mask = padded_batch()
+    labels = torch.tensor([0, 2, 1, 2])
+    token_types = torch.zeros_like(ids)
+    token_types[:, 8:] = 1
+    with torch.no_grad():
+        for inputs, kwargs in (((ids,), {}), ((ids, mask), {"attention_mask": mask}),
+                               ((ids, mask, token_types), {"attention_mask": mask, "token_type_ids": token_types})):
+            ref = model(input_ids=ids, labels=labels, **kwargs)
+            logits = pipe(inputs)
+            assert_close(logits, ref.logits)
+            assert_close(sequence_classification_loss(logits, labels), ref.loss)
+        # padding really changes the result, so the mask did travel through the layers
+        assert not torch.allclose(pipe((ids,)), pipe((ids, mask)))
+
+
+def test_roberta_pipeline_matches_hf_forward():
+    model = tiny_bert(cls=RobertaForSequenceClassification, config_cls=RobertaConfig, num_labels=2,
+                      pad_token_id=1).eval()
+    pipe = SequentialPipe(pipeline_layers(model, "auto")).eval()
+    ids, mask = padded_batch(width=12)
+    ids[mask == 0] = 1
+    labels = torch.tensor([0, 1, 1, 0])
+    with torch.no_grad():
+        for inputs, kwargs in (((ids,), {}), ((ids, mask), {"attention_mask": mask})):
+            ref = model(input_ids=ids, labels=labels, **kwargs)
+            logits = pipe(inputs)
+            assert_close(logits, ref.logits)
+            assert_close(sequence_classification_loss(logits, labels), ref.loss)
+
+
+def test_untied_gpt2_gets_its_own_head():
+    model = tiny_gpt2(tie_word_embeddings=False).eval()
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    layers = pipeline_layers(model, "causal_lm")
+    assert type(layers[-1]).__name__ == "LayerSpec" and layers[-1].typename.__name__ == "LMHeadPipe"
+    ids, _ = padded_batch()
+    with torch.no_grad():
+        assert_close(SequentialPipe(layers).eval()(ids), model(input_ids=ids).logits)
+    sd = export_state_dict(layers, model)
+    assert list(sd) == list(model.state_dict())
+    assert sd["lm_head.weight"] is not sd["transformer.wte.weight"]
+
+
+def test_gradients_match_hf_backward():
+    """Train mode without dropout: the pipeline's backward reaches the same parameters with the same
+    gradients (tied embedding: token lookup + LM head)."""
+    model = tiny_gpt2(dropout=0.0).train()
+    reference = copy.deepcopy(model)
+    ids, _ = padded_batch()
+    causal_lm_loss(SequentialPipe(pipeline_layers(model, "causal_lm"))(ids), ids).backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p.grad is not None, name
+        assert_close(p.grad, q.grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# What travels between layers (between stages in a multi-stage run)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_activations_between_layers_are_tensors_with_an_integer_mask(family):
+    """DeepSpeed sends each layer's output as a tensor or tuple of tensors; every floating one must get a
+    gradient back, so the only floating tensor is the hidden state and the mask is int64."""
+    model = (tiny_gpt2() if family == "gpt2" else tiny_bert()).eval()
+    pipe = SequentialPipe(pipeline_layers(model))
+    ids, mask = padded_batch()
+    x = (ids, mask)
+    for fn in pipe.forward_funcs[:-1]:
+        x = fn(x)
+        items = [x] if torch.is_tensor(x) else list(x)
+        assert all(torch.is_tensor(t) for t in items)
+        assert items[0].is_floating_point()
+        assert all(t.dtype == torch.long and t.shape == ids.shape for t in items[1:])
+
+
+def test_layer_lists_and_checkpointable_classes():
+    gpt2 = pipeline_layers(tiny_gpt2())
+    names = [spec.typename.__name__ for spec in gpt2]
+    assert names == ["GPT2TokenEmbeddingPipe", "GPT2PositionEmbeddingPipe", "GPT2BlockPipe", "GPT2BlockPipe",
+                     "GPT2FinalNormPipe", "GPT2TokenEmbeddingPipe"]
+    first, last = gpt2[0], gpt2[-1]
+    assert first.key == last.key == "embed" and first.tied_weight_attr == last.tied_weight_attr == ["weight"]
+    embed = first.build()
+    assert embed.weight is embed.wte.weight  # tied_weight_attr is read with a plain getattr
+    assert last.forward_fn is not None and first.forward_fn is None
+    bert = [spec.typename.__name__ for spec in pipeline_layers(tiny_bert())]
+    assert bert == ["EncoderEmbeddingPipe", "EncoderLayerPipe", "EncoderLayerPipe", "BertClassifierHeadPipe"]
+    assert set(CHECKPOINTABLE_LAYERS) == {"GPT2BlockPipe", "EncoderLayerPipe"}
+
+
+def test_layers_wrap_the_models_own_parameters():
+    model = tiny_gpt2()
+    pipe = SequentialPipe(pipeline_layers(model))
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_refuses_unsupported_models_and_arguments():
+    with pytest.raises(ValueError, match="supports GPT2LMHeadModel"):
+        pipeline_layers(GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+    with pytest.raises(ValueError, match="does not fit"):
+        pipeline_layers(tiny_gpt2(), "sequence_classification")
+    with pytest.raises(ValueError, match="partition_method"):
+        build_pipeline_module(tiny_gpt2(), "causal_lm", num_stages=1, partition_method="balanced")
+    with pytest.raises(ValueError, match="num_stages"):
+        build_pipeline_module(tiny_gpt2(), "causal_lm", num_stages=7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Back to Hugging Face names
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_export_reproduces_the_hf_state_dict(family, tmp_path):
+    model = tiny_gpt2() if family == "gpt2" else tiny_bert()
+    layers = pipeline_layers(model)
+    sd = export_state_dict(layers, model)
+    ref = model.state_dict()
+    assert list(sd) == list(ref)
+    for name in ref:
+        assert torch.equal(sd[name], ref[name]), name
+    if family == "gpt2":  # the tied weight once: one tensor under both HF names
+        assert sd["lm_head.weight"] is sd["transformer.wte.weight"]
+        assert sum(1 for m in SequentialPipe(layers).modules() if type(m).__name__ == "GPT2TokenEmbeddingPipe") == 1
+
+    # Into a differently initialised model, then through save_pretrained / from_pretrained.
+    torch.manual_seed(123)
+    fresh = type(model)(model.config)
+    assert not torch.equal(fresh.state_dict()[next(iter(ref))], ref[next(iter(ref))])
+    fresh.load_state_dict(sd)
+    fresh.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, ref[name]), name
+
+
+def test_export_follows_training_of_the_pipeline():
+    model = tiny_gpt2(dropout=0.0)
+    pipe = SequentialPipe(pipeline_layers(model))
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(1.0)
+    sd = export_state_dict(pipe, model)
+    assert torch.equal(sd["transformer.h.1.mlp.c_fc.bias"], model.transformer.h[1].mlp.c_fc.bias)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_per_stage_dicts_merge_into_the_hf_state_dict(family):
+    """A two-stage split, as DeepSpeed partitions it: each stage names only its own layers; the tied
+    embedding is on both; the merge gives every HF name exactly once."""
+    from deepspeed.runtime.utils import partition_uniform
+
+    model = tiny_gpt2() if family == "gpt2" else tiny_bert()
+    layers = pipeline_layers(model)
+    parts = partition_uniform(num_items=len(layers), num_parts=2)
+    stages = [stage_state_dict(SequentialPipe(layers[parts[s]:parts[s + 1]])) for s in range(2)]
+    assert (set(stages[0]) & set(stages[1])) <= {"transformer.wte.weight"}
+    if family == "gpt2":
+        assert "transformer.wte.weight" in stages[0] and "transformer.wte.weight" in stages[1]
+        assert "lm_head.weight" not in stages[0] and "lm_head.weight" not in stages[1]
+    merged = merge_state_dicts(stages, model)
+    ref = model.state_dict()
+    assert list(merged) == list(ref)
+    assert all(torch.equal(merged[k], ref[k]) for k in ref)
+    with pytest.raises(ValueError, match="not produced by any stage"):
+        merge_state_dicts(stages[:1], model)
+    with pytest.raises(ValueError, match="not in"):
+        merge_state_dicts([{**stages[0], "bogus.weight": torch.zeros(1)}, stages[1]], model)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real one-process PipelineModule and engine (gloo, world size 1), in a subprocess
+
+ENGINE_SCRIPT = textwrap.dedent('''
+    import copy, json, sys
+    import torch
+    import deepspeed
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from zerorun.pipeline import build_pipeline_module, export_state_dict
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    results = {}
+
+    def check(name, model, task, batches, interval):
+        reference = copy.deepcopy(model)
+        pipe = build_pipeline_module(model, task, num_stages=1, partition_method="parameters",
+                                     activation_checkpoint_interval=interval)
+        opt = torch.optim.SGD([p for p in pipe.parameters() if p.requires_grad], lr=0.5)
+        ds_config = {"train_batch_size": 2 * len(batches), "train_micro_batch_size_per_gpu": 2,
+                     "gradient_accumulation_steps": len(batches), "steps_per_print": 10 ** 9,
+                     "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0}
+        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=opt, config=ds_config)
+        eval_loss = engine.eval_batch(iter(batches)).item()
+        train_loss = engine.train_batch(iter(batches)).item()
+
+        reference.eval()
+        with torch.no_grad():
+            ref_eval = sum(reference(*x, labels=y).loss.item() for x, y in batches) / len(batches)
+        reference.train()
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+        ref_train = 0.0
+        for x, y in batches:  # the engine's micro-batches: mean loss, gradients accumulated
+            loss = reference(*x, labels=y).loss
+            (loss / len(batches)).backward()
+            ref_train += loss.item() / len(batches)
+        ref_opt.step()
+        exported, ref_sd = export_state_dict(engine.module, model), reference.state_dict()
+        results[name] = {
+            "eval": eval_loss, "ref_eval": ref_eval, "train": train_loss, "ref_train": ref_train,
+            "same_names": list(exported) == list(ref_sd),
+            "max_param_diff": max((exported[k] - ref_sd[k]).abs().max().item() for k in ref_sd),
+            "moved": max((exported[k] - model_before[name][k]).abs().max().item() for k in ref_sd),
+        }
+
+    model_before = {}
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model_before["gpt2"] = copy.deepcopy(gpt2.state_dict())
+    ids = [torch.randint(0, 256, (2, 16)) for _ in range(2)]
+    check("gpt2", gpt2, "causal_lm", [((i,), i) for i in ids], interval=1)
+
+    bert = BertForSequenceClassification(BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model_before["bert"] = copy.deepcopy(bert.state_dict())
+    batches = []
+    for width in (12, 9):  # padded per batch to its own width, as LabelledTexts does
+        x = torch.randint(1, 256, (2, width))
+        m = torch.ones(2, width, dtype=torch.long)
+        m[1, width - 4:] = 0
+        x[1, width - 4:] = 0
+        batches.append(((x, m), torch.tensor([0, 1])))
+    check("bert", bert, "sequence_classification", batches, interval=1)
+    print("RESULT " + json.dumps(results), flush=True)
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_one_process_pipeline_engine_matches_hf(tmp_path):
+    """PipelineModule(num_stages=1) + PipelineEngine: eval_batch and train_batch losses equal the HF
+    model's, and one SGD step (2 micro-batches, activation checkpointing on) gives the same weights."""
+    script = tmp_path / "engine_check.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # DeepSpeed builds its CPU shared-memory comm op on first use on a machine (minutes, then cached).
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900, start_new_session=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+    results = json.loads(lines[-1][len("RESULT "):])
+    for name, r in results.items():
+        assert r["same_names"], name
+        assert abs(r["eval"] - r["ref_eval"]) <= ATOL, (name, r)
+        assert abs(r["train"] - r["ref_train"]) <= ATOL, (name, r)
+        assert r["max_param_diff"] <= ATOL, (name, r)
+        assert r["moved"] > 1e-3, (name, r)  # the step did change the weights
