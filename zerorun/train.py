@@ -368,7 +368,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch
 
-    peak = torch.tensor([peak_rss_bytes(), _accelerator_peak(trainer)], dtype=torch.float64)
+    states = model_state_bytes(trainer.engine)
+    peak = torch.tensor([peak_rss_bytes(), _accelerator_peak(trainer), states["parameters"], states["fp32_master"],
+                         states["optimizer_states"]], dtype=torch.float64)
     gathered = [torch.zeros_like(peak) for _ in range(trainer.world)]
     trainer.dist.all_gather(gathered, peak)
     if trainer.rank == 0:
@@ -386,11 +388,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             "world_size": trainer.world,
             "accelerator": trainer.accel.device_name(),
             "peak_memory": [
-                {"rank": r, "peak_rss_bytes": int(g[0]), "accelerator_peak_allocated_bytes": int(g[1])}
+                {"rank": r, "peak_rss_bytes": int(g[0]), "accelerator_peak_allocated_bytes": int(g[1]),
+                 "model_state_bytes": {"parameters": int(g[2]), "fp32_master": int(g[3]),
+                                       "optimizer_states": int(g[4])}}
                 for r, g in enumerate(gathered)
             ],
-            "peak_memory_measures": ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated; "
-                                     "peak_rss_bytes = the rank process's peak resident set (getrusage)"),
+            "peak_memory_measures": ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated (0 on CPU); "
+                                     "peak_rss_bytes = the rank process's peak resident set (getrusage: includes "
+                                     "Python, torch and DeepSpeed themselves); model_state_bytes = the parameter, "
+                                     "fp32-master and optimizer-state tensors DeepSpeed holds on the rank at the end"),
+            "estimated_components": (estimate or {}).get("components"),
             "estimated_peak_bytes": (estimate or {}).get("per_rank_peak_bytes"),
             "checkpoint": result["checkpoint"],
             "export": export_dir,
@@ -402,6 +409,33 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"summary in {run_dir / 'summary.json'}", file=sys.stderr)
     trainer.dist.barrier()
     return 0
+
+
+def model_state_bytes(engine) -> Dict[str, int]:
+    """Bytes of model state this rank actually holds after training, by kind, from DeepSpeed's own
+    tensors: the module's parameters (ZeRO-3: this rank's partition), the fp32 master partitions and
+    the optimizer's state tensors. Counted once per storage. Gradients are freed between steps and
+    activations live only inside a step, so neither is here (peak_rss_bytes covers the whole process)."""
+    import torch
+
+    seen, out = set(), {"parameters": 0, "fp32_master": 0, "optimizer_states": 0}
+
+    def add(kind: str, t) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            out[kind] += t.untyped_storage().nbytes()
+
+    for p in engine.module.parameters():
+        add("parameters", getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p)
+    opt = engine.optimizer
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat"):
+        for t in getattr(opt, attr, None) or []:
+            add("fp32_master", t)
+    inner = getattr(opt, "optimizer", opt)
+    for state in getattr(inner, "state", {}).values():
+        for t in state.values():
+            add("optimizer_states", t)
+    return out
 
 
 def _accelerator_peak(trainer: Trainer) -> int:

@@ -91,3 +91,17 @@ def test_two_rank_fine_tune(tmp_path, cache_dir, overrides):
             assert (run_dir / "command.sh").read_text().split()[-1] == str(run_dir)
             assert f"/{value} " in (run_dir / "command.sh").read_text()
     assert_export_matches_engine(run_dir)
+    assert_model_states_match_estimate(summary)
+
+
+def assert_model_states_match_estimate(summary):
+    """The estimator's model-state components against the tensors DeepSpeed really holds on rank 0."""
+    est, measured = summary["estimated_components"], summary["peak_memory"][0]["model_state_bytes"]
+    pairs = [("parameters", "parameters"), ("fp32 master copies", "fp32_master"),
+             ("optimizer states", "optimizer_states")]
+    checked = 0
+    for est_key, meas_key in pairs:
+        if est.get(est_key) and measured[meas_key]:
+            assert abs(measured[meas_key] - est[est_key]) <= 0.01 * est[est_key] + 64, (est_key, est, measured)
+            checked += 1
+    assert checked >= 1, (est, measured)
