@@ -144,6 +144,7 @@ class Trainer:
                        dynamic_ncols=True, file=sys.stderr)
         history: List[Dict[str, Any]] = []
         last_ckpt: Optional[str] = None
+        last_eval: Dict[str, str] = {}
         self.engine.train()
         for step in range(self.start_step + 1, tr.max_steps + 1):
             t0 = time.perf_counter()
@@ -175,7 +176,9 @@ class Trainer:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    if "val_loss" in record:  # the latest evaluation stays on the progress line
+                        last_eval = {k: f"{v:.4g}" for k, v in record.items() if k.startswith("val_")}
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **last_eval)
                     bar.update(1)
             if (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps:
                 last_ckpt = self.save(step)
