@@ -101,7 +101,9 @@ def assert_model_states_match_estimate(summary):
              ("optimizer states", "optimizer_states")]
     checked = 0
     for est_key, meas_key in pairs:
-        if est.get(est_key) and measured[meas_key]:
-            assert abs(measured[meas_key] - est[est_key]) <= 0.01 * est[est_key] + 64, (est_key, est, measured)
+        want = est.get(est_key) or est.get(f"{est_key} (host)")  # offloaded state is counted on the host
+        if want and measured[meas_key]:
+            assert abs(measured[meas_key] - want) <= 0.01 * want + 64, (est_key, est, measured)
             checked += 1
-    assert checked >= 1, (est, measured)
+    # NVMe offload swaps optimizer state out of memory, so there may be nothing resident to compare.
+    assert checked >= 1 or any("NVMe" in k for k in est), (est, measured)
