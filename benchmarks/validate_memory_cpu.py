@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import logging
 import os
-import socket
 import sys
 import time
 import warnings
@@ -38,57 +37,26 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zerorun import memory as M  # noqa: E402
-from zerorun.config import Dtype, Family, ModelConfig, RunConfig, World  # noqa: E402
-from zerorun.hardware import GIB, Hardware  # noqa: E402
+from zerorun.config import Dtype, Family, ModelConfig, RunConfig  # noqa: E402
+from zerorun.memory_measure import (CPU1, TINY_MODELS, batch, engine_model_states,  # noqa: E402
+                                    init_single_rank, make_model, model_file, run_cfg, saved_activations,
+                                    storages, tensors_in, tracked_step)
+from zerorun.memory_measure import CPU_HW as HW  # noqa: E402
 from zerorun.models import build_model  # noqa: E402
 
-TORCH_DTYPE = {Dtype.fp32: torch.float32, Dtype.bf16: torch.bfloat16}
-CPU1 = World(nproc_per_node=1, nnodes=1, accelerator="cpu")
-HW = Hardware("cpu", 0, 0, 64 * GIB, 1, 1, fp16_ok=False)
+# The measurement helpers live in zerorun/memory_measure.py, shared with tests/unit/test_memory_validation.py
+# (which runs the whole ZeRO × offload × dtype × checkpointing × seq matrix on real engines and asserts the
+# accuracy targets) and benchmarks/validate_memory_gpu.py.
 
 
 def tiny_models():
     """tiny-gpt2 (causal LM) and tiny-bert (2-way sequence classification) from conf/model/."""
-    load = lambda name: OmegaConf.to_object(OmegaConf.merge(  # noqa: E731
-        OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")))
-    return [load("tiny-gpt2"), load("tiny-bert")]
-
-
-def run_cfg(m: ModelConfig, dtype: Dtype, ckpt: bool, seq: int, micro: int, stage: int = 0) -> RunConfig:
-    cfg = RunConfig(model=m)
-    cfg.precision.dtype = dtype
-    cfg.trainer.activation_checkpointing = ckpt
-    cfg.trainer.micro_batch_size = micro
-    cfg.data.seq_len = seq
-    cfg.zero.stage = stage
-    cfg.name = m.name
-    return cfg
-
-
-def make_model(m: ModelConfig, dtype: Dtype, ckpt: bool):
-    torch.manual_seed(0)
-    model = build_model(m, M.default_task(m), 2).to(TORCH_DTYPE[dtype]).train()  # as DeepSpeed casts it
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def batch(m: ModelConfig, micro: int, seq: int):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, min(m.vocab_size, 4000), (micro, seq), generator=g)
-    if m.family == Family.gpt2:
-        return {"input_ids": ids, "labels": ids}
-    return {"input_ids": ids, "labels": torch.zeros(micro, dtype=torch.long)}
-
-
-def loss_of(model, inputs):
-    return model(**inputs).loss  # like zerorun.train: only the loss survives the call
+    return [model_file(n) for n in TINY_MODELS]
 
 
 def pct(est: float, meas: float) -> str:
@@ -102,49 +70,6 @@ def mib(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- A, B
-
-
-def saved_activations(model, inputs):
-    """Bytes autograd saves in forward: (activations, log_softmax output), unique storages, no params."""
-    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = (st.nbytes(), type(t.grad_fn).__name__ if t.grad_fn is not None else "")
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_of(model, inputs)
-    logits = sum(n for n, fn in seen.values() if fn == "LogSoftmaxBackward0")
-    return sum(n for n, _ in seen.values()) - logits, logits, loss
-
-
-def last_block(model):
-    return model.transformer.h[-1] if hasattr(model, "transformer") else model.bert.encoder.layer[-1]
-
-
-def tracked_step(model, inputs):
-    """MemTracker over two accumulating micro-steps. Returns, for the 2nd: live activation bytes at the end
-    of forward; the fwd/bwd peak minus params and buffers; the peak while the last layer runs backward
-    (recomputed under checkpointing) minus params and buffers."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-
-    loss_of(model, inputs).backward()  # first micro-step: gradients now exist, as with accumulation
-    mt = MemTracker()
-    mt.track_external(model)
-    with mt:
-        mt.reset_mod_stats()
-        loss = loss_of(model, inputs)
-        snap = mt.get_tracker_snapshot("current")[torch.device("cpu")]
-        end_fwd = snap["Activation"] + snap.get("Temp", 0) + snap.get("Other", 0)
-        loss.backward()
-        peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]
-    states = peak["Parameter"] + peak["Buffer"]
-    layer = mt.memory_tracking[last_block(model)].snapshots[_ModState.PEAK_BW][-1][torch.device("cpu")]
-    model.zero_grad(set_to_none=True)
-    return end_fwd, peak["Total"] - states, layer["Total"] - layer["Parameter"] - layer["Buffer"]
 
 
 def logit_cells(est: float, meas: float, m: ModelConfig) -> str:
@@ -204,41 +129,6 @@ def part_ab(models, dtypes, ckpts, seqs, micro, header=True):
 # ---------------------------------------------------------------------------------------------- C
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _storages(tensors):
-    out = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel() > 1:
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
-def _tensors_in(obj, names_like):
-    """Tensors held by attributes of obj whose name contains one of names_like (lists/dicts/tensors)."""
-    found = []
-    for name, v in vars(obj).items():
-        if not any(s in name.lower() for s in names_like):
-            continue
-        stack = [v]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, torch.Tensor):
-                found.append(x)
-                if x.grad is not None:
-                    found.append(x.grad)
-            elif isinstance(x, (list, tuple)):
-                stack.extend(x)
-            elif isinstance(x, dict):
-                stack.extend(x.values())
-    return found
-
-
 def engine_states(cfg: RunConfig, m: ModelConfig):
     """Two micro-steps of a real single-rank DeepSpeed engine; model-state bytes read from its tensors,
     and the optimizer step's transient (MemTracker peak of the tensors the 2nd step allocates)."""
@@ -247,7 +137,6 @@ def engine_states(cfg: RunConfig, m: ModelConfig):
     from zerorun.ds_config import render
 
     ds = render(cfg, CPU1)
-    ds["train_batch_size"] = ds["train_micro_batch_size_per_gpu"] = cfg.trainer.micro_batch_size
     torch.manual_seed(0)
     model = build_model(m, M.default_task(m), 2)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
@@ -259,8 +148,9 @@ def engine_states(cfg: RunConfig, m: ModelConfig):
         engine.backward(engine(**inputs).loss)
         if step == 1:  # gradients after backward, before the step: p.grad + the ZeRO partition buffers
             grads = [p.grad for p in params if p.grad is not None]
-            grads += _tensors_in(zopt, ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"))
-            gbytes = _storages(grads)
+            grads += tensors_in(zopt, ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"))
+            gbytes = storages(grads)
+            del grads  # holding them here would keep the grads DeepSpeed frees during the step alive
             # Register every tensor alive now, so the tracker's peak growth is what the step allocates.
             mt = MemTracker()
             mt.track_external(*[o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
@@ -270,29 +160,15 @@ def engine_states(cfg: RunConfig, m: ModelConfig):
             step_peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before
         else:
             engine.step()
-    if cfg.zero.stage == 3:
-        pbytes = _storages([p.ds_tensor for p in params] + [p.data for p in params if getattr(p, "ds_persist", False)])
-    else:
-        pbytes = _storages([p.data for p in params])
-    # fp32 master copies: what the optimizer updates, unless it is the module's own (fp32 ZeRO-0).
-    masters = [p for g in base.param_groups for p in g["params"]]
-    masters += _tensors_in(zopt, ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups"))
-    master = {k: v for k, v in _storages([t.data for t in masters]).items() if k not in pbytes}
-    states = _storages([t for st in base.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
-    out = {"parameters": sum(pbytes.values()), "gradients": sum(gbytes.values()),
-           "fp32 master copies": sum(master.values()), "optimizer states": sum(states.values()),
-           "optimizer-step transient": step_peak}
+    out = dict(engine_model_states(engine), gradients=sum(gbytes.values()))
+    out["optimizer-step transient"] = step_peak
     del engine, model, zopt, base, params
     gc.collect()
     return out
 
 
 def part_c(models, dtypes, stages, micro, seq):
-    import deepspeed
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    init_single_rank()
     print("C. model states of a real DeepSpeed engine, 1 rank on CPU (torch AdamW), after one step (MiB)")
     hdr = f"{'model':10s} {'dtype':5s} {'zero':4s} | " + " | ".join(
         f"{k:>22s}" for k in ("parameters", "gradients", "fp32 master", "optimizer states", "step transient"))
