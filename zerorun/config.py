@@ -551,17 +551,6 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None) -> Lis
             f"launcher.nnodes={cfg.launcher.nnodes} with launcher.master_addr={cfg.launcher.master_addr}: other nodes "
             "cannot reach this loopback address. Fix: launcher.master_addr=<node 0's hostname or IP>."
         )
-    if cfg.launcher.name == LauncherName.deepspeed and cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:
-        problems.append(
-            f"launcher=deepspeed with launcher.nnodes={cfg.launcher.nnodes} and no launcher.hostfile: the deepspeed CLI "
-            "starts other nodes only from a hostfile. Fix: launcher.hostfile=<file with 'host slots=N' lines>, "
-            "or launcher=torchrun started on every node with launcher.node_rank (see launch/README.md)."
-        )
-    if cfg.launcher.nnodes > 1 and cfg.launcher.master_addr in ("127.0.0.1", "localhost") and not cfg.launcher.hostfile:
-        problems.append(
-            f"launcher.nnodes={cfg.launcher.nnodes} with launcher.master_addr={cfg.launcher.master_addr}: other nodes "
-            "cannot reach this loopback address. Fix: launcher.master_addr=<node 0's hostname or IP>."
-        )
     if cfg.parallel.mode == ParallelMode.pipeline:
         problems += _check_pipeline(cfg, world)
 
