@@ -17,7 +17,11 @@ attention (sdpa), DeepSpeed's engine with AdamW (FusedAdam on CUDA, torch AdamW 
 DeepSpeedCPUAdam with offload), ZeRO buckets from ds_config.bucket_sizes(), random-init models built
 whole on every rank (no zero.Init unless ZeRO-3 + pretrained).
 
-Entry points: count_params / param_breakdown, estimate, gate, autofit, resolve_hardware.
+With ``parallel=pipeline`` each stage is a rank of its own kind: its layers (DeepSpeed's partitioner,
+reimplemented), its 1F1B depth of in-flight micro-batches and the pipeline engine's buffers; the
+estimate is the worst stage (``pipeline_stages``, ``_stage_view``).
+
+Entry points: count_params / param_breakdown, estimate, pipeline_stages, gate, autofit, resolve_hardware.
 """
 from __future__ import annotations
 
@@ -28,8 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .config import (Dtype, Family, GateMode, HardwareConfig, ModelConfig, OffloadDevice, RunConfig, TaskName, World,
-                     data_parallel_size, global_batch, grad_accum_steps, resolved_task)
+from .config import (Dtype, Family, GateMode, HardwareConfig, ModelConfig, OffloadDevice, ParallelMode, RunConfig,
+                     TaskName, World, data_parallel_size, global_batch, grad_accum_steps, resolved_task)
 from .ds_config import bucket_sizes
 from .hardware import GIB, Hardware
 
@@ -77,6 +81,11 @@ NVME_OPTIMIZER_BUFFERS = 4
 """NVMe optimizer swap: ``buffer_count`` pinned fp32 buffers of the largest sub-group
 (offload_config.py default 4; optimizer_utils.py SwapBufferManager)."""
 
+FP64_NORM_BYTES = 8
+"""With optimizer offload, ZeRO-1/2/3 take each gradient's norm as ``grad.to(float64).norm(2)`` in the
+backward hook (deepspeed/runtime/zero/utils.py get_norm_dtype: fp64 wherever the device has it): a
+transient 8 bytes per element of the largest gradient (measured on CPU)."""
+
 LN_STAT_BYTES = 4
 """LayerNorm saves mean and rstd per token, fp32 on CUDA (2 per LN). Neglected by Eq. 1 (§2.1)."""
 
@@ -122,6 +131,13 @@ class ParamBreakdown:
     """Elements of the input embedding that the LM head reuses (0 when untied)."""
     buffer_bytes: int
     """Module buffers (GPT-2's per-layer causal mask, BERT's position/type ids)."""
+    head_word: int = 0
+    """Pipeline last stage: elements of its own copy of the tied LM head (tied across stages, not here)."""
+
+    @property
+    def word_embedding(self) -> int:
+        """Elements of the V×h matrix on this rank whose dense gradient ends the backward pass (0: none)."""
+        return self.tied_embedding or self.head_word or (self.embedding_tensors[0] if self.embedding_tensors else 0)
 
     @property
     def embeddings(self) -> int:
@@ -141,7 +157,8 @@ class ParamBreakdown:
 
     @property
     def largest_tensor(self) -> int:
-        return max(self.embedding_tensors + self.layer_tensors + self.head_tensors)
+        return max(self.embedding_tensors + (self.layer_tensors if self.num_layers else ()) + self.head_tensors,
+                   default=0)
 
     def persistent(self, threshold: int) -> int:
         """ZeRO-3 keeps parameters with numel ≤ threshold whole on every rank
@@ -228,12 +245,20 @@ class Activations:
     """Logits + loss transient at the start of backward (§2.6)."""
     num_layers: int
     checkpointing: bool
+    outside_first: int = 0
+    """The part of ``outside_layers`` saved by the embeddings (a pipeline's first stage holds it)."""
+    in_flight: int = 1
+    """Micro-batches whose activations are alive at once (a pipeline stage's 1F1B depth; 1 without one)."""
+    boundary: int = 0
+    """Per in-flight micro-batch: the stage output a pipeline keeps for its backward (not on the last stage)."""
+    pipe_buffers: int = 0
+    """A pipeline stage's engine buffers that outlive the micro-batch (see ``_stage_view``)."""
 
     @property
     def saved(self) -> int:
         """Saved for backward at the end of forward (the activations term of the loss phase)."""
         per = self.checkpoint_per_layer if self.checkpointing else self.per_layer
-        return self.outside_layers + self.num_layers * per
+        return self.in_flight * (self.outside_layers + self.num_layers * per + self.boundary)
 
 
 def attention_kernel(accelerator: str, dropout: float) -> str:
@@ -303,7 +328,8 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     recompute = layer(cache=False)
     if gpt2:
         # embedding dropout mask; ln_f input + LM-head input (= ln_f output)
-        outside = mask * sbh + 2 * e * sbh + 2 * s * b * LN_STAT_BYTES
+        first = mask * sbh
+        outside = first + 2 * e * sbh + 2 * s * b * LN_STAT_BYTES
         if checkpointing:
             # Without the KV cache HF GPT-2 materializes a (b, 1, s, s) bool causal mask, which every
             # checkpoint keeps as an input (measured on CPU). On CUDA the explicit mask rules out flash:
@@ -316,7 +342,8 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     else:
         # embedding LN input + its dropout mask; the pooler / classification head reads a view of the
         # last hidden states, which keeps the whole tensor
-        outside = e * sbh + mask * sbh + 2 * s * b * LN_STAT_BYTES + e * sbh
+        first = e * sbh + mask * sbh + 2 * s * b * LN_STAT_BYTES
+        outside = first + e * sbh
         if kernel == "sdpa-fused" and accelerator == "cuda":
             # A padding mask becomes one (b, 1, s, s) additive bias in the compute dtype, which CUDA's
             # memory-efficient kernel saves (CPU kernels do not: measured). Code-read, not checked on a
@@ -334,7 +361,152 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     elif kernel == "eager":
         working = max(working, e * sbh + e * s2)
     return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
-                       checkpointing)
+                       checkpointing, outside_first=int(first))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """What one pipeline stage holds: the layers DeepSpeed's PipelineModule gives it (zerorun.pipeline's
+    layer list, partitioned as ``PipelineModule._partition_layers`` does) and its 1F1B depth."""
+
+    index: int
+    layers: Tuple[str, ...]
+    """Names of the pipeline layers on this stage, in order (``block`` for each transformer layer)."""
+    params: int
+    """Parameters this stage builds (the tied embedding counts on the first and the last stage)."""
+    in_flight: int
+    """Micro-batches whose activations it holds at once: min(stages - index, micro-batches per step)
+    (deepspeed/runtime/pipe/schedule.py TrainSchedule.num_pipe_buffers, without its floor of 2 buffers,
+    which are empty references, not activations)."""
+
+    @property
+    def blocks(self) -> int:
+        return self.layers.count("block")
+
+    @property
+    def buffers(self) -> int:
+        """Pipe buffer slots (TrainSchedule.num_pipe_buffers): at least 2, even when 1 micro-batch is in flight."""
+        return max(2, self.in_flight)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"stage": self.index, "layers": list(self.layers), "blocks": self.blocks, "params": self.params,
+                "in_flight_micro_batches": self.in_flight}
+
+
+def pipeline_layer_params(bd: ParamBreakdown) -> List[Tuple[str, int]]:
+    """zerorun.pipeline.pipeline_layers as (name, trainable parameters) — what DeepSpeed's
+    ``_count_layer_params`` weighs, the tied embedding counted at both of its uses."""
+    if bd.family == Family.gpt2:
+        wte, wpe = bd.embedding_tensors
+        head = [("ln_f", bd.head), ("lm_head (tied wte)", bd.tied_embedding)] if bd.tied_embedding else \
+            [("ln_f + head", bd.head)]
+        return [("wte", wte), ("wpe + dropout", wpe), *[("block", bd.per_layer)] * bd.num_layers, *head]
+    return [("embeddings", bd.embeddings), *[("block", bd.per_layer)] * bd.num_layers, ("classifier head", bd.head)]
+
+
+def partition_uniform(num_items: int, num_parts: int) -> List[int]:
+    """deepspeed.runtime.utils.partition_uniform: stage boundaries, the remainder to the first stages."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: List[int], num_parts: int) -> List[int]:
+    """deepspeed.runtime.utils.partition_balanced (DeepSpeed 0.19.8), the same dynamic program and tie-breaks:
+    contiguous parts minimising max(part) - min(part)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = math.inf
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    pos = [[0] * (m + 1) for _ in range(n + 1)]
+    dp_max[0][0] = cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                hi = max(dp_max[k][j - 1], prefix[i] - prefix[k])
+                lo = min(dp_min[k][j - 1], prefix[i] - prefix[k])
+                if cost[i][j] >= hi - lo:
+                    cost[i][j], dp_max[i][j], dp_min[i][j], pos[i][j] = hi - lo, hi, lo, k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(pos[parts[-1]][j])
+    return parts[::-1]
+
+
+def pipeline_stages(cfg: RunConfig, world: World) -> List[PipelineStage]:
+    """The stages of ``parallel=pipeline``: layers, parameters and 1F1B depth of each."""
+    bd = param_breakdown(cfg.model, resolved_task(cfg), cfg.task.num_labels)
+    layers = pipeline_layer_params(bd)
+    S = max(1, cfg.parallel.stages)
+    if cfg.parallel.partition == "uniform":
+        bounds = partition_uniform(len(layers), S)
+    else:
+        bounds = partition_balanced([w for _, w in layers], S)
+    micro = grad_accum_steps(cfg, world)
+    stages = []
+    for i in range(S):
+        own = layers[bounds[i]:bounds[i + 1]]
+        names = tuple(n for n, _ in own)
+        # One stage holding both uses of the tied embedding builds it once.
+        params = sum(w for _, w in own) - (bd.tied_embedding if {"wte", "lm_head (tied wte)"} <= set(names) else 0)
+        stages.append(PipelineStage(i, names, params, max(1, min(S - i, micro))))
+    return stages
+
+
+def _stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: PipelineStage,
+                last: bool) -> Tuple[ParamBreakdown, Activations]:
+    """The breakdown and activations of one pipeline stage, in the shape ``_rank_estimate`` takes.
+
+    Buffers of DeepSpeed's PipelineEngine (runtime/pipe/engine.py, measured on CPU): each of the stage's
+    buffer slots keeps its last micro-batch's inputs (a clone of the received activations and the
+    int64 mask) until the slot is reused, next to one persistent receive buffer; a non-last stage
+    receives its output gradient into one more; and the last stage never frees its outputs
+    (``_exec_backward_pass`` returns before ``pipe_buffers['outputs'][id] = None``), so the logits of
+    every slot stay alive in the module dtype — twice the logits at 1 micro-batch in flight.
+    """
+    names = set(st.layers)
+    first = "wte" in names or "embeddings" in names
+    emb = tuple(t for t, n in zip(bd.embedding_tensors, ("wte", "wpe + dropout")) if n in names) \
+        if bd.family == Family.gpt2 else (bd.embedding_tensors if first else ())
+    both = {"wte", "lm_head (tied wte)"} <= names
+    head_copy = bd.tied_embedding if ("lm_head (tied wte)" in names and not both) else 0
+    head = (bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()) + \
+        ((head_copy,) if head_copy else ())
+    gpt2 = bd.family == Family.gpt2
+    view = ParamBreakdown(bd.family, emb, bd.layer_tensors, st.blocks, head,
+                          tied_embedding=bd.tied_embedding if both else 0,
+                          buffer_bytes=(bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks if gpt2
+                          else (bd.buffer_bytes if first else 0),
+                          head_word=head_copy)
+    outside = (act.outside_first if first else 0) + ((act.outside_layers - act.outside_first) if last else 0)
+    b, s_len = cfg.trainer.micro_batch_size, cfg.data.seq_len
+    hidden, ids = act.checkpoint_per_layer, b * s_len * 8  # one micro-batch's activations; its int64 ids/mask
+    if first:
+        buffers = st.buffers * 2 * ids  # input ids and mask per slot
+    else:  # slots not in flight still hold their last inputs; + the receive buffer
+        buffers = (st.buffers - st.in_flight) * hidden + st.buffers * ids + (hidden + ids)
+    if last:
+        buffers += st.buffers * (act.logits_loss // LOSS_BYTES_PER_LOGIT) * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+        buffers += st.buffers * ids  # labels
+    else:
+        buffers += hidden  # grad_layer: the output gradient received from the next stage
+    # The pipeline's GPT-2 blocks run without the KV cache (zerorun.pipeline.GPT2BlockPipe: use_cache=False).
+    stage_act = dataclasses.replace(act, per_layer=act.recompute_layer, outside_layers=outside,
+                                    outside_first=act.outside_first if first else 0, num_layers=st.blocks,
+                                    logits_loss=act.logits_loss if last else 0, in_flight=st.in_flight,
+                                    boundary=0 if last else act.checkpoint_per_layer, pipe_buffers=int(buffers))
+    return view, stage_act
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,6 +583,8 @@ class Estimate:
     params: int = 0
     summary: Dict[str, Any] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+    """parallel=pipeline: each stage's layers, 1F1B depth, peak and breakdown (the estimate is the worst one)."""
 
     def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
         """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
@@ -439,6 +613,7 @@ class Estimate:
             "params": self.params,
             "config": dict(self.summary),
             "notes": list(self.notes),
+            **({"pipeline_stages": list(self.stages)} if self.stages else {}),
             "source": "zerorun.memory (memory.md §0-§3); not yet calibrated on a GPU",
         }
 
@@ -461,14 +636,53 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     """Per-rank peak memory of ``cfg`` on ``world`` ranks of ``hw``: phases, components, fits.
 
     Pure: only arithmetic on the config. See the module docstring for the sources; each term below
-    names the DeepSpeed code that allocates it.
+    names the DeepSpeed code that allocates it. With ``parallel=pipeline`` each stage is estimated
+    with its own layers and 1F1B depth; the result is the stage with the highest peak, and
+    ``stages`` lists them all.
     """
+    task, labels = resolved_task(cfg), cfg.task.num_labels
+    bd = param_breakdown(cfg.model, task, labels)
+    act = activations(cfg.model, cfg.trainer.micro_batch_size, cfg.data.seq_len, Dtype(cfg.precision.dtype),
+                      world.accelerator, cfg.trainer.activation_checkpointing, task=task, num_labels=labels)
+    if cfg.parallel.mode != ParallelMode.pipeline:
+        return _rank_estimate(cfg, world, hw, cal, bd, act, bd.total)
+    stages = pipeline_stages(cfg, world)
+    per_stage = [_rank_estimate(cfg, world, hw, cal, *_stage_view(cfg, bd, act, st, st.index == len(stages) - 1),
+                                bd.total)
+                 for st in stages]
+    worst = max(range(len(stages)), key=lambda i: per_stage[i].per_rank_peak_bytes)
+    est = per_stage[worst]
+    # Ranks are laid out stage-major (PipeDataParallelTopology): on one node every stage's ranks share the
+    # host; across nodes, count the heaviest stage on every rank of a node (an upper bound).
+    dp = data_parallel_size(cfg, world)
+    if world.nnodes == 1:
+        host_node = sum(e.host_bytes_per_node // max(1, world.nproc_per_node) * dp for e in per_stage)
+    else:
+        host_node = max(e.host_bytes_per_node for e in per_stage)
+    fits_host = est.host_capacity_bytes <= 0 or host_node <= est.host_capacity_bytes
+    fits_device = all(e.fits_device for e in per_stage)
+    summary = dict(est.summary, params=bd.total, pipeline_stages=len(stages), peak_stage=worst)
+    notes = est.notes + [f"pipeline: stage {worst} of {len(stages)} has the highest peak ({_gib(est.per_rank_peak_bytes)}"
+                         f"; it holds {stages[worst].in_flight} micro-batch(es) in flight and "
+                         f"{stages[worst].blocks} of {bd.num_layers} layers)."]
+    return dataclasses.replace(
+        est, host_bytes_per_node=int(host_node), fits_host=fits_host, fits_device=fits_device,
+        fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
+        stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, peak_phase=e.peak_phase,
+                     model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
+                     phases={k: dict(v) for k, v in e.phases.items()})
+                for st, e in zip(stages, per_stage)])
+
+
+def _rank_estimate(cfg: RunConfig, world: World, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
+                   act: Activations, built_params: int) -> Estimate:
+    """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
+    or one pipeline stage); ``built_params``: what build_model() makes on every rank first (the whole model)."""
     m, z, tr = cfg.model, cfg.zero, cfg.trainer
     dtype = Dtype(cfg.precision.dtype)
     accel = world.accelerator
     cpu_ranks = accel == "cpu"
-    task, labels = resolved_task(cfg), cfg.task.num_labels
-    bd = param_breakdown(m, task, labels)
+    task = resolved_task(cfg)
     P = bd.total
     N = max(1, data_parallel_size(cfg, world))
     p = g = DTYPE_BYTES[dtype]  # 16-bit or fp32 module: params, grads and activations in that dtype
@@ -482,9 +696,6 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     largest = bd.largest_tensor
     part = math.ceil(P / N)  # this rank's partition (DeepSpeed pads to equal partitions)
     notes: List[str] = []
-
-    act = activations(m, tr.micro_batch_size, cfg.data.seq_len, dtype, accel, tr.activation_checkpointing,
-                      task=task, num_labels=labels)
 
     # ---- model states that live on the device through every phase (§1.1, §1.3)
     dev: List[Tuple[str, float]] = []
@@ -502,7 +713,13 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
         dev.append(("persistent parameters", persistent * p))
     dev.append(("buffers", bd.buffer_bytes))
 
-    if stage == 0:
+    if stage == 0 and dtype == Dtype.bf16 and cfg.parallel.mode == ParallelMode.pipeline:
+        # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
+        # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
+        # fp32 master and Adam states are partitioned over the stage's data-parallel group (measured).
+        dev.append(("gradients", 2 * P * g))
+        dev += [("fp32 master copies", part * MASTER_BYTES), ("optimizer states", part * ADAM_STATE_BYTES)]
+    elif stage == 0:
         dev.append(("gradients", P * g))
         if mixed:  # FP16_Optimizer / FP16_UnfusedOptimizer: fp32 master of every parameter
             dev.append(("fp32 master copies", P * MASTER_BYTES))
@@ -552,10 +769,22 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
                       if k in ("parameters", "persistent parameters", "gradients", "fp32 master copies",
                                "optimizer states"))
     step_states = persistent_dev
-    if stage == 1 and not off_opt:
-        # ZeRO-1 frees the full param.grad once they are copied into this rank's partition (measured).
+    if stage == 1:
+        # ZeRO-1 frees the full param.grad once they are copied into this rank's partition, or, with
+        # offload, into the host fp32 buffer (measured).
         step_states = OrderedDict(persistent_dev)
-        step_states["gradients"] = part * g
+        step_states.pop("gradients", None)
+        if not off_opt:
+            step_states["gradients"] = part * g
+    # Gradients alive before this micro-step's backward: none on the first micro-step of an optimizer step
+    # (DeepSpeed sets them to None at the step), so none at all without accumulation. ZeRO-3's flat
+    # gradient partition is allocated once and stays; offloaded host buffers stay. ZeRO-2's partition is
+    # allocated at the first bucket reduce, so it exists again by the time the last layer runs backward.
+    if accum > 1 or stage == 3:
+        fwd_states = bwd_states = persistent_dev
+    else:
+        fwd_states = _phase((k, v) for k, v in persistent_dev.items() if k != "gradients")
+        bwd_states = _phase([*fwd_states.items(), ("gradients", part * g if stage == 2 and not off_opt else 0)])
 
     # ---- buffers of the backward pass (§1.3)
     bwd_buffers: List[Tuple[str, float]] = []
@@ -567,11 +796,16 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
     if stage == 3:
         if z.contiguous_gradients:
             bwd_buffers.append(("reduce buckets", buckets["reduce_bucket_size"] * g))  # stage3.py IPG buffer
-        live = _zero3_live_peak(_model_key(m, task, labels), buckets["stage3_param_persistence_threshold"],
+        live = _zero3_live_peak(_model_key(m, task, cfg.task.num_labels), buckets["stage3_param_persistence_threshold"],
                                 z.stage3_max_reuse_distance)
+        if N == 1 and (not off_param or cpu_ranks):
+            # One rank: DeepSpeed does not gather (partition_parameters.py _no_gather_coalesced: param.data =
+            # ds_tensor.to(device), a copy only when the partition sits on the host and the rank on a GPU).
+            live = 0
         bwd_buffers.append(("ZeRO-3 gathered params", live * p))
-        bwd_buffers.append(("ZeRO-3 prefetch bucket",
-                            min(buckets["stage3_prefetch_bucket_size"], z.stage3_max_live_parameters) * p))
+        if live:
+            bwd_buffers.append(("ZeRO-3 prefetch bucket",
+                                min(buckets["stage3_prefetch_bucket_size"], z.stage3_max_live_parameters) * p))
         if live > 0.5 * P:
             notes.append(f"ZeRO-3 keeps {live / P:.0%} of the parameters gathered between forward and backward "
                          f"(stage3_max_reuse_distance={z.stage3_max_reuse_distance:.0e}); a smaller reuse distance "
@@ -591,36 +825,57 @@ def estimate(cfg: RunConfig, world: World, hw: Hardware, *, cal: Calibration = D
         phases["init"] = _phase([("whole model before partitioning", P * p), ("buffers", bd.buffer_bytes)])
     # Start of backward (log_softmax backward): every saved activation + the LM loss transient. The LM
     # head's weight grad comes only after this, when the logits grads are already freed (measured).
-    phases["loss"] = _phase([*persistent_dev.items(), ("activations", acts), ("logits + loss", act.logits_loss),
+    phases["loss"] = _phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
                              *bwd_buffers])
     # Backward through the last layer (recomputed under checkpointing): its grads' working set.
     layer_extra = [("activations", acts + (act.recompute_layer if act.checkpointing else 0)),
                    ("activation-grad working set", act.working_set)]
-    phases["backward"] = _phase([*persistent_dev.items(), *layer_extra, *tied_pending, *in_flight, *bwd_buffers])
+    phases["backward"] = _phase([*bwd_states.items(), *layer_extra, *tied_pending, *in_flight, *bwd_buffers])
     # End of backward, layer activations freed: the word embedding's dense grad. Tied (GPT-2): LM-head
     # grad + embedding grad + their sum (§2.7). Untied (BERT): the new grad before it is accumulated
     # (measured: +V·h on top of the existing grads with gradient accumulation).
-    word = bd.tied_embedding or bd.embedding_tensors[0]
-    phases["embedding grad"] = _phase([*persistent_dev.items(), ("activations", act.outside_layers),
-                                       ("embedding grad transient",
-                                        (TIED_EMBEDDING_COPIES if bd.tied_embedding else 1) * word * g),
-                                       *bwd_buffers])
-    if stage == 0 and world.size > 1:
-        # engine.allreduce_bucket flattens grads in buckets of 5e8 elements before the all-reduce.
+    # ZeRO-0/1 without accumulation: the untied grad *is* param.grad (in "gradients"); ZeRO-2/3 hold it
+    # apart until it is copied into the partition. With optimizer offload DeepSpeed clones a gradient
+    # larger than the reduce bucket and takes its norm in fp64 (stage_1_and_2.py
+    # set_norm_for_param_grad_in_gpu, stage3.py: ``.to(get_norm_dtype()).norm(2)``): +8 bytes per element
+    # next to the (cloned) grad, measured on CPU for ZeRO-1/2/3.
+    word = bd.word_embedding
+    if bd.tied_embedding:
+        emb_transient = TIED_EMBEDDING_COPIES * word * g
+    else:
+        # ZeRO-3 reduces a gradient larger than the bucket through reduce_scatter_coalesced, which
+        # flattens it into a second buffer (measured on CPU: 2·V·h·g).
+        copies = 2 if stage == 3 and not off_opt else 1
+        emb_transient = copies * word * g if (stage >= 2 or accum > 1) else 0
+    if off_opt:
+        own = 0 if (stage == 1 and not bd.tied_embedding) else word * g  # ZeRO-1: the grad is in "gradients"
+        emb_transient = max(emb_transient, own + word * FP64_NORM_BYTES)
+    if word:
+        # A pipeline's first stage still holds its other in-flight micro-batches here.
+        others = act.saved - act.saved // act.in_flight
+        phases["embedding grad"] = _phase([*persistent_dev.items(), ("activations", act.outside_layers + others),
+                                           ("embedding grad transient", emb_transient), *bwd_buffers])
+    if stage == 0:
+        # engine.allreduce_bucket flattens grads in buckets of 5e8 elements before the all-reduce, on one
+        # rank too (engine.py allreduce_gradients has no world-size check; measured on CPU).
         flat = min(P, ZERO0_ALLREDUCE_ELEMENTS + largest)
         phases["all-reduce"] = _phase([*persistent_dev.items(), ("all-reduce flatten buffer", flat * g)])
     phases["optimizer step"] = _phase([*step_states.items(),
                                        ("optimizer-step transient", _step_transient(cfg, world, bd, part))])
+    if act.pipe_buffers:  # allocated by the first micro-batch, never freed
+        for name in phases:
+            if name != "init":
+                phases[name] = _phase([*phases[name].items(), ("pipeline buffers", act.pipe_buffers)])
 
     # ---- host RAM per rank: the process, the model each rank builds in fp32 before DeepSpeed takes it
     host_steady = _phase(host)
-    host_init = P * 4 + bd.buffer_bytes  # build_model() makes fp32 weights on the host on every rank
+    host_init = built_params * 4 + bd.buffer_bytes  # build_model() makes fp32 weights on the host on every rank
     if cpu_ranks:
         # The device is host RAM: offloaded state shares it, and the fp32 build is an init phase.
         for name in phases:
             phases[name] = _phase([*phases[name].items(), *host_steady.items()])
         # build_model() makes fp32 weights; DeepSpeed casts them in place, one tensor at a time.
-        phases["init"] = _phase([("fp32 model as built", P * 4), ("buffers", bd.buffer_bytes)])
+        phases["init"] = _phase([("fp32 model as built", built_params * 4), ("buffers", bd.buffer_bytes)])
         phases.move_to_end("init", last=False)
 
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
@@ -700,7 +955,10 @@ def _step_transient(cfg: RunConfig, world: World, bd: ParamBreakdown, part: int)
     sub = part if stage < 3 else min(part, DS_SUB_GROUP_SIZE)
     adam = 2 * 4 * sub if torch_adam else 0
     convert = sub * g + (sub * 4 if g != 4 else 0)
-    return max(convert, sub * 4 + adam) + overflow
+    # ZeRO-1/2 free the 16-bit grad partition once its fp32 copy exists (in fp32 the partition is the fp32
+    # grad itself); ZeRO-3's flat gradient buffer stays (measured on CPU).
+    fp32_grad = sub * 4 - (sub * g if stage < 3 else 0)
+    return max(convert, fp32_grad + adam) + overflow
 
 
 # ---------------------------------------------------------------------------------------------
@@ -841,7 +1099,13 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                else "offload the optimizer only; parameters stay on the GPU")
         changes.append(Change("offload.params", off.params, k.params, why))
         new_off = dataclasses.replace(new_off, params=k.params)
-    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off)
+    new_par = cfg.parallel
+    if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
+        accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
+        changes.append(Change("parallel.micro_batches", cfg.parallel.micro_batches, accum,
+                              "the pipeline streams that many smaller micro-batches per step"))
+        new_par = dataclasses.replace(new_par, micro_batches=accum)
+    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par)
     return new, changes
 
 
@@ -863,11 +1127,13 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
                                   stage3_prefetch_bucket_size=None, overlap_comm=False)
     shrinkable = bucket_sizes(dataclasses.replace(cfg, zero=default)) != bucket_sizes(cfg) or z.overlap_comm
     out = []
-    for stage in range(z.stage, 4):
+    # A pipeline takes ZeRO-0/1 only (DeepSpeed's rule), and autofit does not add offload to it.
+    pipeline = cfg.parallel.mode == ParallelMode.pipeline
+    for stage in range(z.stage, 2 if pipeline else 4):
         offloads: List[Tuple[int, OffloadDevice, Optional[bool]]] = []  # (tier, device, offload.params)
         if off.device == OffloadDevice.none:
             offloads.append((0, OffloadDevice.none, off.params))
-            if stage >= 1:
+            if stage >= 1 and not pipeline:
                 offloads.append((1, OffloadDevice.cpu, False if stage == 3 else None))
             if stage == 3:
                 offloads.append((2, OffloadDevice.cpu, True))
@@ -909,7 +1175,10 @@ def _describe(cfg: RunConfig, world: World, est: Estimate) -> str:
     off = "offload " + OffloadDevice(cfg.offload.device).value + (" (+params)" if params_offloaded(cfg) else "")
     return (f"{cfg.model.name} ZeRO-{cfg.zero.stage} {off} {Dtype(cfg.precision.dtype).value} "
             f"micro {tr.micro_batch_size} × seq {cfg.data.seq_len}"
-            f"{' + checkpointing' if tr.activation_checkpointing else ''} on {world.size} rank(s)")
+            f"{' + checkpointing' if tr.activation_checkpointing else ''} on {world.size} rank(s)"
+            + (f", pipeline stage {est.summary['peak_stage']} of {len(est.stages)} "
+               f"({est.stages[est.summary['peak_stage']]['in_flight_micro_batches']} micro-batch(es) in flight)"
+               if est.stages else ""))
 
 
 def _shortfall(cfg: RunConfig, world: World, est: Estimate) -> str:

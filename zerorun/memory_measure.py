@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import memory as M
@@ -489,6 +490,26 @@ def measure_engine(m: ModelConfig, stage: int, offload: OffloadDevice, dtype: Dt
         engine.destroy()
         del engine
     gc.collect()
+    return rows
+
+
+def pipeline_stage_rows(run_dir: Path) -> List[Dict[str, Any]]:
+    """A ``parallel=pipeline`` run made with ZERORUN_TRACK_MEMORY=1: one row per rank, its stage's estimate
+    (allocator peak without the process-runtime constant; model states without gradients) and what the
+    rank measured (peak live tensor bytes over init and training; DeepSpeed's model-state tensors)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    est = json.loads((run_dir / "estimate.json").read_text())
+    runtime = est["components"].get("process runtime", 0)
+    rows = []
+    for r in summary["peak_memory"]:
+        st = est["pipeline_stages"][r["pipeline_stage"]]
+        states_est = st["model_state_bytes"] - st["phases"]["backward"].get("gradients", 0)  # grads come and go
+        rows.append({
+            "stage": st["stage"], "layers": st["layers"], "in_flight": st["in_flight_micro_batches"],
+            "est": st["per_rank_peak_bytes"] - runtime, "phase": st["peak_phase"],
+            "measured": max(r["live_tensor_peak_bytes"].values()),
+            "states_est": states_est, "states_measured": sum(r["model_state_bytes"].values()),
+        })
     return rows
 
 

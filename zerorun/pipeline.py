@@ -459,7 +459,27 @@ def stage_state_dict(module: nn.Module, *, copy: bool = True) -> Dict[str, torch
 
 
 def _storage_key(t: torch.Tensor):
+    if t.device.type == "meta":  # no storage: every meta tensor has data_ptr 0 (release_other_stages)
+        return ("meta", id(t))
     return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def release_other_stages(original_model: nn.Module, pipe_module: nn.Module) -> int:
+    """Move the HF model's parameters and buffers that this rank's stage does not use to the meta device;
+    returns the bytes freed. Every rank builds the whole model and its stage wraps some of its
+    submodules; the rest would otherwise stay alive (in fp32, on the host) for the whole run, only
+    for the export, which needs the model's structure and not those weights."""
+    mine = {id(p) for p in pipe_module.parameters()}
+    freed = 0
+    for module in original_model.modules():
+        # A module's own tensors go when none of its parameters is used here: its direct ones, or (a module
+        # holding only buffers, such as GPT-2's attention with its causal-mask buffer) those below it.
+        params = list(module.parameters(recurse=False)) or list(module.parameters())
+        if params and not any(id(p) in mine for p in params):
+            own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            freed += sum(t.numel() * t.element_size() for t in own if t.device.type != "meta")
+            module._apply(lambda t: t.to("meta"), recurse=False)
+    return freed
 
 
 def merge_state_dicts(dicts: Iterable[Mapping[str, torch.Tensor]], original_model: nn.Module) -> Dict[str, torch.Tensor]:

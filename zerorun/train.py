@@ -24,6 +24,7 @@ from .config import Dtype, RunConfig, TaskName, resolved_task, to_run_config
 from .data import Prepared, RankSampler, open_split
 
 FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
+TRACK_MEMORY_ENV = "ZERORUN_TRACK_MEMORY"  # "1": count live tensor bytes on CPU ranks (summary.json)
 
 
 def peak_rss_bytes() -> int:
@@ -83,6 +84,10 @@ class Trainer:
                                            loss_fn_for(self.task, model),
                                            # evaluation's last batch and the probe are smaller than a micro-batch
                                            dynamic_shape=True)
+            if cfg.parallel.stages > 1:
+                from .pipeline import release_other_stages
+
+                release_other_stages(model, module)
         else:
             module = model
             if cfg.trainer.activation_checkpointing:
@@ -355,19 +360,34 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run_dir = Path(args[0]).resolve()
     t_start = time.time()
+    # Opt-in live-tensor accounting (CPU ranks): every storage an op creates, from before the model is built,
+    # so the init and training peaks compare with the estimate's allocator peak. It slows every op.
+    tracker = None
+    if os.environ.get(TRACK_MEMORY_ENV) == "1":
+        from .memory_measure import live_bytes
+
+        tracker = live_bytes()
+        tracker.__enter__()
     trainer = Trainer(run_dir)
     trainer.build()
+    init_live_peak = tracker.peak if tracker else 0
+    if tracker:
+        tracker.reset_peak()
     resume = json.loads((run_dir / "resume.json").read_text()) if (run_dir / "resume.json").exists() else None
     if resume:
         trainer.resume(Path(resume["checkpoint_dir"]), resume["tag"])
     result = trainer.train()
+    train_live_peak = tracker.peak if tracker else 0
+    if tracker:
+        tracker.__exit__(None, None, None)
     export_dir = trainer.export() if trainer.cfg.trainer.export else None
 
     import torch
 
     states = model_state_bytes(trainer.engine)
     peak = torch.tensor([peak_rss_bytes(), _accelerator_peak(trainer), states["parameters"], states["fp32_master"],
-                         states["optimizer_states"]], dtype=torch.float64)
+                         states["optimizer_states"], init_live_peak, train_live_peak,
+                         trainer.engine.stage_id if trainer.pipeline else -1], dtype=torch.float64)
     gathered = [torch.zeros_like(peak) for _ in range(trainer.world)]
     trainer.dist.all_gather(gathered, peak)
     if trainer.rank == 0:
@@ -387,13 +407,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             "peak_memory": [
                 {"rank": r, "peak_rss_bytes": int(g[0]), "accelerator_peak_allocated_bytes": int(g[1]),
                  "model_state_bytes": {"parameters": int(g[2]), "fp32_master": int(g[3]),
-                                       "optimizer_states": int(g[4])}}
+                                       "optimizer_states": int(g[4])},
+                 **({"live_tensor_peak_bytes": {"init": int(g[5]), "train": int(g[6])}} if tracker else {}),
+                 **({"pipeline_stage": int(g[7])} if trainer.pipeline else {})}
                 for r, g in enumerate(gathered)
             ],
             "peak_memory_measures": ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated (0 on CPU); "
                                      "peak_rss_bytes = the rank process's peak resident set (getrusage: includes "
                                      "Python, torch and DeepSpeed themselves); model_state_bytes = the parameter, "
-                                     "fp32-master and optimizer-state tensors DeepSpeed holds on the rank at the end"),
+                                     "fp32-master and optimizer-state tensors DeepSpeed holds on the rank at the end"
+                                     + ("; live_tensor_peak_bytes = peak bytes of live CPU tensor storages "
+                                        f"({TRACK_MEMORY_ENV}=1), in model build + deepspeed.initialize (init) and "
+                                        "in the training loop (train)" if tracker else "")),
             "estimated_components": (estimate or {}).get("components"),
             "estimated_peak_bytes": (estimate or {}).get("per_rank_peak_bytes"),
             "checkpoint": result["checkpoint"],
@@ -425,7 +450,8 @@ def model_state_bytes(engine) -> Dict[str, int]:
     for p in engine.module.parameters():
         add("parameters", getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p)
     opt = engine.optimizer
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat"):
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat",
+                 "fp32_groups_flat_partition"):  # the last: BF16_Optimizer (pipeline + bf16 + ZeRO-0)
         for t in getattr(opt, attr, None) or []:
             add("fp32_master", t)
     inner = getattr(opt, "optimizer", opt)

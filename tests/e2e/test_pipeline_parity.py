@@ -56,7 +56,45 @@ def test_pipeline_matches_data_parallel(tmp_path, cache_dir, model):
     scale = probe_dp["logits"].abs().max()
     tol = REL_TOL if model == "gpt2" else 0.25
     assert torch.allclose(probe_dp["logits"], probe_pp["logits"], atol=float(tol * scale), rtol=0)
-    assert torch.equal(probe_dp["logits"].argmax(-1), probe_pp["logits"].argmax(-1))
+    # Predictions: BERT's class must match exactly. GPT-2's next-token argmax over 300+ tokens has
+    # near-ties that the drift can flip (CI saw 1 of 64 positions flip between tokens 0.04 apart),
+    # so it is held to 95% of positions.
+    agree = (probe_dp["logits"].argmax(-1) == probe_pp["logits"].argmax(-1)).float().mean().item()
+    print(f"{model}: exported predictions agree on {agree:.1%} of positions")
+    assert agree == 1.0 if model == "bert" else agree >= 0.95, agree
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-bert"])
+def test_per_stage_estimate_matches_the_measured_stage(tmp_path, cache_dir, model):
+    """Each stage's estimated peak against its rank's measured peak of live tensor bytes
+    (ZERORUN_TRACK_MEMORY=1), 4 micro-batches per step so the first stage holds 2 in flight (BERT at 256
+    tokens, where its second stage's training peak, not the whole-model build, is the larger). The issue's
+    targets: within 10%, never more than 5% under; model states to the byte but Adam's step counters."""
+    from zerorun.memory_measure import pipeline_stage_rows
+
+    data = []
+    if model == "tiny-bert":  # rows longer than seq_len: padded batches reach it, as the estimate assumes
+        rows = tmp_path / "long.jsonl"
+        rows.write_text("".join(json.dumps({"text": " ".join(["pipeline stage memory"] * 100), "label": i % 2}) + "\n"
+                                for i in range(64)))
+        data = [f"data.path={rows}", "data.name=long"]
+    run_dir = tmp_path / "run"
+    proc = run_zerorun(["parallel=pipeline", "parallel.stages=2", "launcher.nproc_per_node=2", f"+model={model}",
+                        "precision=bf16", "trainer.max_steps=2", "trainer.micro_batch_size=4",
+                        "trainer.global_batch_size=16", f"data.seq_len={128 if model == 'tiny-gpt2' else 256}",
+                        "trainer.progress=false",
+                        "trainer.save_every=0", "trainer.eval_every=0", "trainer.export=false", *data],
+                       run_dir, cache_dir, env_extra={"ZERORUN_TRACK_MEMORY": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = sorted(pipeline_stage_rows(run_dir), key=lambda r: r["stage"])
+    assert [r["in_flight"] for r in rows] == [2, 1]
+    for r in rows:
+        err = (r["est"] - r["measured"]) / r["measured"]
+        print(f"\n{model} stage {r['stage']} {r['layers']}: estimate {r['est'] / 2**20:.2f} MiB ({r['phase']}), "
+              f"measured {r['measured'] / 2**20:.2f} MiB, error {err:+.1%}; model states {r['states_est']} "
+              f"estimated, {r['states_measured']} measured")
+        assert -0.05 <= err <= 0.10, r
+        assert 0 <= r["states_measured"] - r["states_est"] <= 64, r  # Adam's per-tensor step counters
 
 
 def test_pipeline_refuses_zero2(tmp_path, cache_dir):

@@ -136,12 +136,6 @@ def test_plain_model_fwd_bwd_peak_meets_targets(validation):
     assert not acc.failures(), acc.line()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "zerorun/memory.py misses seven measured effects (docs/memory.md 'Known discrepancies'): gradients "
-    "counted before they exist without accumulation, the ZeRO-1/2 step transient, ZeRO-1 offload's step "
-    "gradients, the fp64 grad-norm copy with offload (an UNDER-estimate, up to 22%), ZeRO-0's flatten on "
-    "one rank, ZeRO-3 gathering on one rank and its second copy of the embedding grad. With "
-    "docs/memory-estimator-fixes.patch applied this test passes (XPASS fails it): remove this marker then."))
 def test_whole_run_peak_meets_targets(validation):
     """The issue's targets on the quantity the gate uses: the whole-run allocator peak of a real DeepSpeed
     engine, over ZeRO 0-3 × offload × dtype × checkpointing × seq: median |error| ≤ 5%, worst ≤ 10%, never
