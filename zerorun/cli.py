@@ -177,6 +177,8 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     if summary_path.exists():
         summary_path.unlink()
     rc = launcher.run(argv, env)
+    if world.accelerator == "cpu":  # the ranks unlink theirs; this catches ranks that died
+        launcher.release_cpu_shm(plan.master_addr, plan.master_port)
     if rc == 0 and not summary_path.exists():
         # The deepspeed CLI can exit 0 when a rank died without a trace; success is the summary.
         say("the launcher exited 0 but no rank wrote summary.json: treating the run as failed.")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 TRAIN_MODULE = "zerorun.train"
+SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,28 @@ def run(argv: List[str], env: Dict[str, str], log_path: Optional[Path] = None) -
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def cpu_shm_name(master_addr: str, master_port: int | str, rank: int | str = "*", uid: Optional[int] = None) -> str:
+    """The shared-memory segment DeepSpeed's CPU all-reduce makes per rank (ops/csrc/cpu/comm/shm.cpp
+    shm_initialize: ``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``, ~66 MB). DeepSpeed never
+    unlinks it, so each CPU run would leave ~66 MB of RAM per rank in /dev/shm until reboot."""
+    uid = os.getuid() if uid is None else uid
+    return f"deepspeed_allreduce_buffer_{uid}_{master_addr}_{master_port}_{rank}"
+
+
+def release_cpu_shm(master_addr: str, master_port: int, shm_dir: str = SHM_DIR) -> int:
+    """Unlink every rank's all-reduce segment of the run on ``master_addr:master_port`` (after the ranks
+    have exited, or a rank after its last collective); returns the bytes freed."""
+    freed = 0
+    for path in Path(shm_dir).glob(cpu_shm_name(master_addr, master_port)):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            freed += size
+        except OSError:  # another process of the run removed it first
+            pass
+    return freed
 
 
 def default_bin_dir() -> str:

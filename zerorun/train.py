@@ -430,7 +430,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"zerorun: done. final loss {summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
               f"summary in {run_dir / 'summary.json'}", file=sys.stderr)
     trainer.dist.barrier()
+    _release_cpu_shm(trainer)
     return 0
+
+
+def _release_cpu_shm(trainer: Trainer) -> None:
+    """After the last collective, unlink this rank's DeepSpeed CPU all-reduce segment (see
+    launcher.cpu_shm_name); the mapping stays valid for anyone still holding it."""
+    if trainer.accel.device_name() != "cpu":
+        return
+    from .launcher import SHM_DIR, cpu_shm_name
+
+    name = cpu_shm_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), trainer.rank)
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
 
 
 def model_state_bytes(engine) -> Dict[str, int]:

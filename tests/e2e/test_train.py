@@ -4,6 +4,7 @@ Each run asserts that the loss falls, the run dir is complete, the rendered JSON
 asked for, and the exported Hugging Face model reproduces the engine's logits.
 """
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,10 @@ def assert_run_dir_complete(run_dir, steps):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
     assert len(summary["peak_memory"]) == 2 and all(p["peak_rss_bytes"] > 0 for p in summary["peak_memory"])
+    # DeepSpeed's CPU all-reduce segments (~66 MB per rank, never unlinked by DeepSpeed) are gone.
+    words = (run_dir / "command.sh").read_text().split()
+    port = words[words.index("--master_port" if "--master_port" in words else "--master-port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), port
     ckpt = run_dir / "checkpoints"
     assert (ckpt / f"global_step{steps}" / "COMPLETE").is_file()
     assert (ckpt / "zerorun_latest").read_text().strip() == f"global_step{steps}"

@@ -1,5 +1,7 @@
 """LaunchPlan → argv/env, tested without starting a process."""
-from zerorun.launcher import LaunchPlan, build_command, shell_line
+import os
+
+from zerorun.launcher import LaunchPlan, build_command, cpu_shm_name, release_cpu_shm, shell_line
 
 
 def plan(**kw):
@@ -53,3 +55,17 @@ def test_bin_dir_is_used_when_the_script_exists(tmp_path):
     assert argv[0] == str(tmp_path / "deepspeed")
     argv, _ = build_command(plan(launcher="torchrun", bin_dir=str(tmp_path)))
     assert argv[0] == "torchrun"  # not in bin_dir: fall back to PATH
+
+
+def test_cpu_shm_segments_of_one_run_are_released(tmp_path):
+    """DeepSpeed names its per-rank CPU all-reduce segment after uid, master address, port and rank; only
+    the segments of the given run go."""
+    assert cpu_shm_name("127.0.0.1", 29511, 1, uid=0) == "deepspeed_allreduce_buffer_0_127.0.0.1_29511_1"
+    mine = [tmp_path / cpu_shm_name("127.0.0.1", 29511, r) for r in (0, 1)]
+    other = tmp_path / cpu_shm_name("127.0.0.1", 29512, 0)
+    for f in (*mine, other):
+        f.write_bytes(b"x" * 10)
+    assert release_cpu_shm("127.0.0.1", 29511, shm_dir=str(tmp_path)) == 20
+    assert not any(f.exists() for f in mine) and other.exists()
+    assert release_cpu_shm("127.0.0.1", 29511, shm_dir=str(tmp_path)) == 0
+    assert str(os.getuid()) in cpu_shm_name("h", 1)
