@@ -53,6 +53,15 @@ def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]
         lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s}  {e.peak_phase:14s} "
                      f"{'yes' if e.fits_device else 'NO':>9s}  {_gib(e.host_bytes_per_node):>13s} {fits_host:>9s}  "
                      f"{nvme:>10s}")
+    chosen = next((e for label, e in rows if label == chosen_label), None)
+    if chosen is not None and chosen.stages:
+        lines.append(f"pipeline stages of the composed config ({len(chosen.stages)}; the peak above is the worst):")
+        for st in chosen.stages:
+            lines.append(f"  stage {st['stage']}: {st['blocks']} block(s) of {m.num_layers}"
+                         f"{' + embeddings' if st['stage'] == 0 else ''}"
+                         f"{' + head' if st['stage'] == len(chosen.stages) - 1 else ''}, {st['params']:,} parameters, "
+                         f"{st['in_flight_micro_batches']} micro-batch(es) in flight: "
+                         f"{_gib(st['per_rank_peak_bytes'])} ({st['peak_phase']})")
     cap = _gib(first.device_capacity_bytes)
     if hw.accelerator == "cuda":
         lines.append(f"capacity {cap} per GPU. Peak = {1 + cal.allocator_margin:.2f} × allocator peak + CUDA context "

@@ -1241,12 +1241,14 @@ def gate(cfg: RunConfig, world: World, hw: Hardware, mode: Optional[GateMode] = 
 
 
 def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
-    """Every valid ZeRO stage × offload choice for ``cfg`` (estimate table rows), labelled."""
+    """Every valid ZeRO stage × offload choice for ``cfg`` (estimate table rows), labelled. A pipeline
+    takes ZeRO-0/1 only (DeepSpeed's rule); offload with a pipeline is not offered (untested)."""
     rows = []
-    for stage in range(4):
+    pipeline = cfg.parallel.mode == ParallelMode.pipeline
+    for stage in range(2 if pipeline else 4):
         z = dataclasses.replace(cfg.zero, stage=stage)
         choices: List[Tuple[str, OffloadDevice, Optional[bool]]] = [("none", OffloadDevice.none, None)]
-        if stage in (1, 2):
+        if stage in (1, 2) and not pipeline:
             choices.append(("cpu", OffloadDevice.cpu, None))
         if stage == 3:
             choices += [("cpu (optimizer)", OffloadDevice.cpu, False), ("cpu (+params)", OffloadDevice.cpu, True),

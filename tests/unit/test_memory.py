@@ -443,3 +443,19 @@ def test_autofit_keeps_a_pipeline_within_zero1_and_its_micro_batches_consistent(
     from zerorun.config import check
 
     assert not [p for p in check(d.cfg, world) if "micro_batches" in p]
+
+
+def test_estimate_table_for_a_pipeline_lists_its_stages():
+    from zerorun.config import check
+    from zerorun.estimate_cli import render_table
+
+    cfg, world, hw = planned("parallel=pipeline", "+model=gpt2", "parallel.stages=2", "trainer.global_batch_size=16",
+                             "hardware.gpus_per_node=2", "hardware.gpu_mem_gib=16")
+    table = M.table_configs(cfg)
+    assert [label for label, _ in table] == ["ZeRO-0  offload none", "ZeRO-1  offload none"]
+    assert all(not check(c, world, libaio=True) for _, c in table)
+    rows = [(label, M.estimate(c, world, hw)) for label, c in table]
+    text = "\n".join(render_table(cfg, world, hw, rows, "ZeRO-0  offload none"))
+    assert "pipeline stages of the composed config (2; the peak above is the worst):" in text
+    for st in rows[0][1].stages:
+        assert f"stage {st['stage']}: {st['blocks']} block(s) of 12" in text
