@@ -109,11 +109,11 @@ def cpu_shm_name(master_addr: str, master_port: int | str, rank: int | str = "*"
     return f"deepspeed_allreduce_buffer_{uid}_{master_addr}_{master_port}_{rank}"
 
 
-def release_cpu_shm(master_addr: str, master_port: int, shm_dir: str = SHM_DIR) -> int:
-    """Unlink every rank's all-reduce segment of the run on ``master_addr:master_port`` (after the ranks
-    have exited, or a rank after its last collective); returns the bytes freed."""
+def release_cpu_shm(master_addr: str, master_port: int | str, rank: int | str = "*", shm_dir: str = SHM_DIR) -> int:
+    """Unlink the all-reduce segments of the run on ``master_addr:master_port``: every rank's (the launcher,
+    after the ranks have exited) or one rank's (that rank, after its last collective); returns the bytes freed."""
     freed = 0
-    for path in Path(shm_dir).glob(cpu_shm_name(master_addr, master_port)):
+    for path in Path(shm_dir).glob(cpu_shm_name(master_addr, master_port, rank)):
         try:
             size = path.stat().st_size
             path.unlink()

@@ -388,6 +388,11 @@ class PipelineStage:
         return self.layers.count("block")
 
     @property
+    def holds_both_tied_ends(self) -> bool:
+        """GPT-2's tied embedding and LM head on this one stage: one tensor, built once."""
+        return {"wte", "lm_head (tied wte)"} <= set(self.layers)
+
+    @property
     def buffers(self) -> int:
         """Pipe buffer slots (TrainSchedule.num_pipe_buffers): at least 2, even when 1 micro-batch is in flight."""
         return max(2, self.in_flight)
@@ -458,9 +463,10 @@ def pipeline_stages(cfg: RunConfig, world: World) -> List[PipelineStage]:
     for i in range(S):
         own = layers[bounds[i]:bounds[i + 1]]
         names = tuple(n for n, _ in own)
-        # One stage holding both uses of the tied embedding builds it once.
-        params = sum(w for _, w in own) - (bd.tied_embedding if {"wte", "lm_head (tied wte)"} <= set(names) else 0)
-        stages.append(PipelineStage(i, names, params, max(1, min(S - i, micro))))
+        stage = PipelineStage(i, names, sum(w for _, w in own), max(1, min(S - i, micro)))
+        if stage.holds_both_tied_ends:
+            stage = dataclasses.replace(stage, params=stage.params - bd.tied_embedding)
+        stages.append(stage)
     return stages
 
 
@@ -479,7 +485,7 @@ def _stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipeli
     first = "wte" in names or "embeddings" in names
     emb = tuple(t for t, n in zip(bd.embedding_tensors, ("wte", "wpe + dropout")) if n in names) \
         if bd.family == Family.gpt2 else (bd.embedding_tensors if first else ())
-    both = {"wte", "lm_head (tied wte)"} <= names
+    both = st.holds_both_tied_ends
     head_copy = bd.tied_embedding if ("lm_head (tied wte)" in names and not both) else 0
     head = (bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()) + \
         ((head_copy,) if head_copy else ())

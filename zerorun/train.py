@@ -439,13 +439,9 @@ def _release_cpu_shm(trainer: Trainer) -> None:
     launcher.cpu_shm_name); the mapping stays valid for anyone still holding it."""
     if trainer.accel.device_name() != "cpu":
         return
-    from .launcher import SHM_DIR, cpu_shm_name
+    from .launcher import release_cpu_shm
 
-    name = cpu_shm_name(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), trainer.rank)
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except OSError:
-        pass
+    release_cpu_shm(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), trainer.rank)
 
 
 def model_state_bytes(engine) -> Dict[str, int]:
