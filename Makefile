@@ -35,5 +35,6 @@ ops: system-deps $(VENV)/.installed
 test: system-deps $(VENV)/.installed ops
 	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 tests
 
+# Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not e2e" tests
+	$(PY) -m pytest -q -m unit tests

@@ -28,7 +28,9 @@ import logging  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from zerorun import memory as M  # noqa: E402
-from zerorun.config import World, register_schemas, to_run_config  # noqa: E402
+from zerorun.config import GateMode, World, make_plan, register_schemas, to_run_config  # noqa: E402
+from zerorun.memory.buffers import zero3_live_peak  # noqa: E402
+from zerorun.memory.params import breakdown  # noqa: E402
 from zerorun.hardware import GIB, Hardware  # noqa: E402
 
 MODELS = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -75,7 +77,7 @@ def main() -> None:
         largest = M.param_breakdown(base.model).largest_tensor  # wte: DeepSpeed's largest_layer_params here
         for label, extra, ds_stage, off, off_params in ROWS:
             cfg = composed(f"+model={name}", *SHAPE, *extra)
-            e = M.estimate(cfg, WORLD, HW)
+            e = M.estimate(cfg, make_plan(cfg, WORLD), HW)
             step = e.phases["optimizer step"]
             states = sum(v for k, v in step.items() if k in STATE_KEYS)
             if ds_stage == 3:
@@ -86,30 +88,30 @@ def main() -> None:
                 cpu, gpu = estimate_zero2_model_states_mem_needs(P, GPUS, NODES, cpu_offload=off)
             print(f"{name:12s} {label:22s} | {gib(gpu)} {gib(states):>14s} {gib(e.per_rank_peak_bytes):>12s} | "
                   f"{gib(cpu):>11s} {gib(e.host_bytes_per_node):>17s}")
+        z3 = composed(f'+model={name}', *SHAPE, 'zero=stage3')
         print(f"{'':12s} ({P:,} params; peak of the ZeRO-3 row: {e.peak_phase} phase, top: "
-              + ", ".join(f"{k} {v / GIB:.2f}" for k, v in M.estimate(composed(f'+model={name}', *SHAPE, 'zero=stage3'),
-                                                                       WORLD, HW).top(3)) + ")")
+              + ", ".join(f"{k} {v / GIB:.2f}" for k, v in M.estimate(z3, make_plan(z3, WORLD), HW).top(3)) + ")")
     print()
 
     # Latency: the pure estimator for gpt2-xl (config objects built beforehand; Hydra compose is separate).
     cfgs = [c for _, c in M.table_configs(composed("+model=gpt2-xl", *SHAPE))]
-    M._zero3_live_peak.cache_clear()
-    M._breakdown.cache_clear()
+    zero3_live_peak.cache_clear()
+    breakdown.cache_clear()
     t0 = time.perf_counter()
-    M.estimate(cfgs[-1], WORLD, HW)
+    M.estimate(cfgs[-1], make_plan(cfgs[-1], WORLD), HW)
     cold = time.perf_counter() - t0
     times = []
     for _ in range(50):
         for c in cfgs:
             t0 = time.perf_counter()
-            M.estimate(c, WORLD, HW)
+            M.estimate(c, make_plan(c, WORLD), HW)
             times.append(time.perf_counter() - t0)
     refused = composed("+model=gpt2-large", "zero=stage0", "precision=fp32", "data.seq_len=1024",
                        "trainer.micro_batch_size=8")
     small_gpus = Hardware("cuda", 8, 16 * GIB, 512 * GIB, 1, 64)
     t0 = time.perf_counter()
     for _ in range(20):
-        decision = M.gate(refused, WORLD, small_gpus, M.GateMode.autofit)
+        decision = M.gate(refused, make_plan(refused, WORLD), small_gpus, GateMode.autofit)
     gate_t = (time.perf_counter() - t0) / 20
     t0 = time.perf_counter()
     for _ in range(5):

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import List
 
-from zerorun.memory_measure import pipeline_stage_rows
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from memory_harness import pipeline_stage_rows  # noqa: E402
+
 BIN = Path(sys.executable).parent
 
 COMMON = ["parallel=pipeline", "parallel.stages=2", "launcher.nproc_per_node=2", "trainer.max_steps=2",

@@ -37,10 +37,11 @@ from typing import Any, Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from zerorun import memory as M  # noqa: E402
-from zerorun import memory_measure as MM  # noqa: E402
-from zerorun.config import Dtype, OffloadDevice, World  # noqa: E402
+import memory_harness as MM  # noqa: E402
+from zerorun.config import Dtype, OffloadDevice, World, default_task, make_plan  # noqa: E402
 from zerorun.hardware import GIB, Hardware  # noqa: E402
 
 DEFAULT_MODELS = ("tiny-gpt2", "tiny-bert", "gpt2", "bert-base-uncased")
@@ -57,10 +58,12 @@ def matrix(args) -> List[Dict[str, Any]]:
         m = MM.model_file(name)
         seqs = [s for s in (args.seqs or DEFAULT_SEQS.get(name, (128, 512))) if s <= m.max_positions]
         for dtype in args.dtypes:
-            for stage, off in MM.engine_matrix():
+            for lay in MM.engine_matrix():
+                stage, off = lay.stage, lay.device
                 if stage not in args.zero or off.value not in args.offload:
                     continue
-                jobs.append({"model": name, "dtype": dtype, "zero": stage, "offload": off.value, "micro": args.micro,
+                jobs.append({"model": name, "dtype": dtype, "zero": stage, "offload": off.value,
+                             "offload_params": lay.params, "micro": args.micro,
                              "subs": [[ckpt, s] for ckpt in (False, True) for s in seqs],
                              "warmup": args.warmup, "steps": args.steps})
     return jobs
@@ -73,8 +76,9 @@ def world_of(nproc: int) -> World:
 def estimate_point(job: Dict[str, Any], ckpt: bool, seq: int, world: World, hw: Hardware) -> Dict[str, Any]:
     """The estimate for one point (CUDA ranks): the allocator-side numbers as on CPU, plus reserved and device."""
     m = MM.model_file(job["model"])
-    cfg = MM.run_cfg(m, Dtype(job["dtype"]), ckpt, seq, job["micro"], job["zero"], OffloadDevice(job["offload"]))
-    est = M.estimate(cfg, world, hw)
+    cfg = MM.run_cfg(m, Dtype(job["dtype"]), ckpt, seq, job["micro"], job["zero"], OffloadDevice(job["offload"]),
+                     job.get("offload_params"))
+    est = M.estimate(cfg, make_plan(cfg, world), hw)
     ph = {k: sum(v.values()) for k, v in est.phases.items()}
     alloc = max(ph.values())
     return {"fwd_bwd": max(ph[k] for k in MM.FWD_BWD_PHASES if k in ph), "step": ph["optimizer step"],
@@ -106,8 +110,8 @@ def worker(job: Dict[str, Any], out: str) -> None:
     dev = torch.device("cuda", local)
     m = MM.model_file(job["model"])
     cfg = MM.run_cfg(m, Dtype(job["dtype"]), False, job["subs"][0][1], job["micro"], job["zero"],
-                     OffloadDevice(job["offload"]))
-    ds = render(cfg, world_of(nproc))
+                     OffloadDevice(job["offload"]), job.get("offload_params"))
+    ds = render(cfg, make_plan(cfg, world_of(nproc)))
 
     def gmax(x: int) -> int:
         t = torch.tensor([x], dtype=torch.int64, device=dev)
@@ -118,7 +122,7 @@ def worker(job: Dict[str, Any], out: str) -> None:
     torch.cuda.reset_peak_memory_stats(dev)
     try:
         torch.manual_seed(0)
-        model = build_model(m, M.default_task(m), 2)
+        model = build_model(m, default_task(m.family), 2)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
         del model
         init_peak = gmax(torch.cuda.max_memory_allocated(dev))

@@ -1,36 +1,37 @@
-import json
-import os
+"""Test tiers by directory: tests/unit (pure, in-process, no subprocess: `make test-fast`),
+tests/integration (engines or tools in-process or in one subprocess), tests/e2e (real multi-rank jobs).
+Marks are strict (pyproject: --strict-markers); `slow` and `gpu` are set by the tests themselves."""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A unit test that starts a process fails: the fast tier must stay in-process."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a unit test started a subprocess: {args[:1]}; mark it integration or e2e")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenized-data cache for the whole session: runs after the first reuse it."""
     return tmp_path_factory.mktemp("zerorun-cache")
-
-
-def base_env(cache_dir: Path) -> dict:
-    env = dict(os.environ)
-    env.update(ZERORUN_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
-    return env
-
-
-def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra=None, cwd=None):
-    """Run the real console script; returns the CompletedProcess (stdout+stderr merged)."""
-    env = base_env(cache_dir)
-    env.update(env_extra or {})
-    cmd = [str(BIN / "zerorun"), *args, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, env=env, cwd=cwd or run_dir.parent, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout, start_new_session=True)
-
-
-def read_metrics(run_dir: Path):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,33 +1,15 @@
-"""RunConfig → one complete DeepSpeed JSON (pure: no files, no processes, no "auto")."""
+"""RunConfig + Plan → one complete DeepSpeed JSON (pure: no files, no processes, no "auto")."""
 from __future__ import annotations
 
 import copy
 from typing import Any, Dict
 
-from .config import Dtype, OffloadDevice, RunConfig, Schedule, World, global_batch, grad_accum_steps
+from .config import Dtype, OffloadDevice, OptimizerImpl, Plan, RunConfig, Schedule
 
 
-def bucket_sizes(cfg: RunConfig) -> Dict[str, int]:
-    """ZeRO bucket sizes: the user's, else sized to the model like HF's "auto" (hidden², ...).
-
-    DeepSpeed's own default (5e8 elements) is ~1 GiB of 16-bit buffer, more than GPT-2 small's
-    model states, and makes 2-rank CPU runs start in a minute instead of a second.
-    """
-    h = cfg.model.hidden_size
-    z = cfg.zero
-    return {
-        "reduce_bucket_size": z.reduce_bucket_size or h * h,
-        "allgather_bucket_size": z.allgather_bucket_size or h * h,
-        "stage3_prefetch_bucket_size": z.stage3_prefetch_bucket_size or int(0.9 * h * h),
-        "stage3_param_persistence_threshold": (
-            z.stage3_param_persistence_threshold if z.stage3_param_persistence_threshold is not None else 10 * h
-        ),
-    }
-
-
-def _zero_section(cfg: RunConfig, nvme_path: str) -> Dict[str, Any]:
+def _zero_section(cfg: RunConfig, plan: Plan) -> Dict[str, Any]:
     z, off = cfg.zero, cfg.offload
-    buckets = bucket_sizes(cfg)
+    buckets = plan.buckets.to_json()
     section: Dict[str, Any] = {"stage": z.stage}
     if z.stage == 0:
         return section
@@ -51,9 +33,9 @@ def _zero_section(cfg: RunConfig, nvme_path: str) -> Dict[str, Any]:
     if off.device != OffloadDevice.none:
         target: Dict[str, Any] = {"device": off.device.value, "pin_memory": off.pin_memory}
         if off.device == OffloadDevice.nvme:
-            target["nvme_path"] = nvme_path
+            target["nvme_path"] = plan.nvme_path
         section["offload_optimizer"] = dict(target)
-        if z.stage == 3 and off.params is not False:
+        if plan.offload_params:
             section["offload_param"] = dict(target)
     return section
 
@@ -76,7 +58,7 @@ def _scheduler(cfg: RunConfig) -> Dict[str, Any]:
                                                  "warmup_type": "linear"}}
 
 
-def render(cfg: RunConfig, world: World, *, nvme_path: str = "") -> Dict[str, Any]:
+def render(cfg: RunConfig, plan: Plan) -> Dict[str, Any]:
     """The DeepSpeed JSON for this run: every value explicit, so what is launched is what was checked."""
     tr, prec = cfg.trainer, cfg.precision
     optimizer_params: Dict[str, Any] = {
@@ -85,20 +67,19 @@ def render(cfg: RunConfig, world: World, *, nvme_path: str = "") -> Dict[str, An
         "eps": 1e-8,
         "weight_decay": tr.weight_decay,
     }
-    if world.accelerator == "cpu" and cfg.offload.device == OffloadDevice.none:
-        # FusedAdam is a GPU kernel (its CPU build is a JIT compile); torch's AdamW is the CPU path.
+    if plan.optimizer == OptimizerImpl.torch_adamw:
         optimizer_params["torch_adam"] = True
     ds: Dict[str, Any] = {
-        "train_batch_size": global_batch(cfg, world),
-        "train_micro_batch_size_per_gpu": tr.micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps(cfg, world),
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum_steps,
         "gradient_clipping": tr.grad_clip,
         "steps_per_print": 10**9,  # zerorun logs its own metrics; keep DeepSpeed's console quiet
         "wall_clock_breakdown": False,
         "seed": cfg.seed,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
         "scheduler": _scheduler(cfg),
-        "zero_optimization": _zero_section(cfg, nvme_path),
+        "zero_optimization": _zero_section(cfg, plan),
         "fp16": {"enabled": prec.dtype == Dtype.fp16},
         "bf16": {"enabled": prec.dtype == Dtype.bf16},
     }
@@ -110,9 +91,9 @@ def render(cfg: RunConfig, world: World, *, nvme_path: str = "") -> Dict[str, An
             hysteresis=prec.hysteresis,
             min_loss_scale=prec.min_loss_scale,
         )
-    if cfg.parallel.mode.value == "pipeline":
+    if plan.pipeline:
         # Read by zerorun.train to build the PipelineModule; DeepSpeed keeps it as its pipeline section.
-        ds["pipeline"] = {"stages": cfg.parallel.stages, "partition": cfg.parallel.partition,
+        ds["pipeline"] = {"stages": plan.pipeline_stages, "partition": cfg.parallel.partition.value,
                           "activation_checkpoint_interval": 1 if tr.activation_checkpointing else 0}
     if cfg.offload.device == OffloadDevice.nvme:
         ds["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False,

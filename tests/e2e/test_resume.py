@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import read_metrics, run_zerorun
+from helpers import read_metrics, run_zerorun
 
 pytestmark = pytest.mark.e2e
 

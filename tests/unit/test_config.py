@@ -1,23 +1,13 @@
-"""Composition and the cross-group checks, in process."""
+"""Composition, the rule table and the cross-group checks, in process."""
+import dataclasses
 import itertools
-from pathlib import Path
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_module
 
-from zerorun.config import ConfigError, ModelConfig, World, check, register_schemas, to_run_config, \
-    unknown_override_keys
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-CPU2 = World(nproc_per_node=2, nnodes=1, accelerator="cpu", fp16_ok=False)
-GPU8 = World(nproc_per_node=8, nnodes=1, accelerator="cuda")
-
-
-def composed(*overrides):
-    register_schemas()
-    with initialize_config_module("zerorun.conf", version_base=None):
-        return to_run_config(compose("config", overrides=list(overrides)))
+from helpers import CONF, CPU2, GPU8, composed
+from zerorun.config import (ConfigError, Layout, ModelConfig, OffloadDevice, ParallelMode, UserError, World, check,
+                            compose, global_batch, grad_accum_steps, layouts, unknown_override_keys)
 
 
 def test_default_is_tiny_gpt2_and_plus_model_replaces_it():
@@ -28,71 +18,126 @@ def test_default_is_tiny_gpt2_and_plus_model_replaces_it():
 
 def test_every_model_file_sets_every_architecture_key():
     # +model=X merges over tiny-gpt2's values, so a key missing from X would silently keep tiny's.
-    import dataclasses
-
     required = {f.name for f in dataclasses.fields(ModelConfig)}
     for path in sorted((CONF / "model").glob("*.yaml")):
         keys = set(yaml.safe_load(path.read_text()))
         assert keys == required, f"{path.name}: missing {required - keys}, extra {keys - required}"
 
 
+# DeepSpeed's own rules, written out as data (not re-derived): offload needs ZeRO >= 1, NVMe needs ZeRO-3
+# (ZeRO-Infinity), parameters offload only at ZeRO-3; pipelines take ZeRO-0/1.
+REFUSED_OFFLOAD = {(0, "cpu"), (0, "nvme"), (1, "nvme"), (2, "nvme")}
+
+
 @pytest.mark.parametrize("stage,offload,precision", list(itertools.product(
-    ["stage0", "stage1", "stage2", "stage3"], ["none", "cpu", "nvme"], ["fp32", "fp16", "bf16"])))
-def test_valid_combinations_pass_and_invalid_ones_say_why(stage, offload, precision):
-    cfg = composed(f"zero={stage}", f"offload={offload}", f"precision={precision}")
-    problems = check(cfg, GPU8, libaio=True)
-    expected_bad = (offload != "none" and stage == "stage0") or (offload == "nvme" and stage != "stage3")
-    assert bool(problems) == expected_bad, problems
+    [0, 1, 2, 3], ["none", "cpu", "nvme"], ["fp32", "fp16", "bf16"])))
+def test_offload_rules_refuse_exactly_deepspeeds_exclusions_and_say_why(stage, offload, precision):
+    cfg = composed(f"zero=stage{stage}", f"offload={offload}", f"precision={precision}")
+    problems = [str(p) for p in check(cfg, GPU8, libaio=True)]
+    if (stage, offload) not in REFUSED_OFFLOAD:
+        assert problems == []
+        return
+    assert problems and len(problems) == (2 if (stage, offload) == (0, "nvme") else 1), problems
+    for p in problems:  # offload needs a partitioning stage; NVMe needs ZeRO-3 (both said at ZeRO-0)
+        assert p.startswith(f"offload={offload} with zero.stage={stage}: ") and " Fix: " in p
+        assert "zero=stage3" in p
 
 
-def test_fp16_refused_on_cpu_without_support():
-    problems = check(composed("precision=fp16"), CPU2)
-    assert any("precision=fp16 on cpu ranks" in p and "precision=bf16" in p for p in problems)
+def test_the_rule_table_lists_every_accepted_layout_once():
+    none, cpu, nvme = OffloadDevice.none, OffloadDevice.cpu, OffloadDevice.nvme
+    assert layouts(ParallelMode.dp) == [
+        Layout(0, none, False), Layout(1, none, False), Layout(1, cpu, False), Layout(2, none, False),
+        Layout(2, cpu, False), Layout(3, none, False), Layout(3, cpu, False), Layout(3, cpu, True),
+        Layout(3, nvme, False), Layout(3, nvme, True)]
+    assert layouts(ParallelMode.pipeline) == [Layout(0, none, False), Layout(1, none, False)]
+    assert [lay.label for lay in layouts()[-4:]] == ["cpu (optimizer)", "cpu (+params)", "nvme (optimizer)",
+                                                      "nvme (+params)"]
+    for lay in layouts():  # every listed layout passes check as a config
+        cfg = composed(f"zero=stage{lay.stage}", f"offload={lay.device.value}",
+                       f"offload.params={'true' if lay.params else 'false'}")
+        assert check(cfg, GPU8, libaio=True) == []
+
+
+def test_problems_carry_key_value_and_fix():
+    [p] = check(composed("trainer.micro_batch_size=4", "trainer.global_batch_size=100"), GPU8)
+    assert isinstance(p, UserError)
+    assert (p.key, p.value, p.fix) == ("trainer.global_batch_size", 100,
+                                       "trainer.global_batch_size=96, or a micro_batch_size that divides it.")
+    assert str(p) == ("trainer.global_batch_size=100 is not a multiple of micro_batch_size × data-parallel ranks "
+                      "= 4 × 8 = 32. Fix: trainer.global_batch_size=96, or a micro_batch_size that divides it.")
+
+
+def test_fp16_refused_on_cpu_without_support_and_its_other_knobs_reported_too():
+    problems = [str(p) for p in check(composed("precision=fp16", "precision.initial_scale_power=-3"), CPU2)]
+    assert len(problems) == 2, problems
+    assert "precision=fp16 on cpu ranks" in problems[0] and "precision=bf16" in problems[0]
+    assert problems[1].startswith("precision.initial_scale_power=-3: ") and "Fix: precision.initial_scale_power=16" \
+        in problems[1]
+    bad = check(composed("precision=fp16", "precision.loss_scale_window=0", "precision.hysteresis=0"), GPU8)
+    assert [p.key for p in bad] == ["precision.loss_scale_window", "precision.hysteresis"]
 
 
 def test_nvme_without_libaio():
-    problems = check(composed("zero=stage3", "offload=nvme"), GPU8, libaio=False)
+    problems = [str(p) for p in check(composed("zero=stage3", "offload=nvme"), GPU8, libaio=False)]
     assert any("libaio" in p and "apt-get install libaio-dev" in p for p in problems)
 
 
+@pytest.mark.parametrize("path", ["/proc/zerorun-nvme", "/etc/hostname/nvme"])
+def test_nvme_path_is_checked_by_trying(path, tmp_path):
+    """/proc passes a permission-bit test as root but refuses new directories; a path under a file too."""
+    [p] = check(composed("zero=stage3", "offload=nvme", f"offload.nvme_path={path}"), GPU8, libaio=True)
+    assert str(p).startswith(f"offload.nvme_path={path}: not a writable directory (") and p.key == "offload.nvme_path"
+    fresh = tmp_path / "a" / "b"
+    assert check(composed("zero=stage3", "offload=nvme", f"offload.nvme_path={fresh}"), GPU8, libaio=True) == []
+    assert not (tmp_path / "a").exists()  # the probe cleans up what it made
+
+
 def test_batch_must_divide_with_fix():
-    problems = check(composed("trainer.micro_batch_size=4", "trainer.global_batch_size=100"), GPU8)
+    problems = [str(p) for p in check(composed("trainer.micro_batch_size=4", "trainer.global_batch_size=100"), GPU8)]
     assert problems == ["trainer.global_batch_size=100 is not a multiple of micro_batch_size × data-parallel ranks "
                         "= 4 × 8 = 32. Fix: trainer.global_batch_size=96, or a micro_batch_size that divides it."]
 
 
 def test_multi_node_checks():
-    problems = check(composed("launcher.nnodes=2"), GPU8)
+    problems = [str(p) for p in check(composed("launcher.nnodes=2"), GPU8)]
     assert sum("no launcher.hostfile" in p for p in problems) == 1
     assert sum("loopback" in p for p in problems) == 1
     assert check(composed("launcher=torchrun", "launcher.nnodes=2", "launcher.master_addr=node0"), GPU8) == []
 
 
 def test_unknown_keys_are_found_with_suggestions():
-    assert unknown_override_keys(["trainer.max_step=3", "zero=stage2", "+foo=1", "hydra.run.dir=x"]) == [
-        "unknown key trainer.max_step (did you mean trainer.max_steps?). Fix: correct the spelling."]
+    assert [str(p) for p in unknown_override_keys(["trainer.max_step=3", "zero=stage2", "+foo=1", "hydra.run.dir=x"])] \
+        == ["unknown key trainer.max_step (did you mean trainer.max_steps?). Fix: correct the spelling."]
     assert unknown_override_keys(["deepspeed.anything=1", "trainer.max_steps=3"]) == []
     with pytest.raises(ConfigError, match="unknown key trainer.max_step"):
-        composed("+trainer.max_step=3")
+        composed("+trainer.max_step=3")  # added with '+': found in the composed tree by the same walker
+    with pytest.raises(ConfigError, match=r"did you mean trainer.max_steps\?"):
+        compose(["trainer.max_step=3"])  # zerorun-estimate and the tests compose through the same check
+
+
+def test_enum_choices_are_refused_while_composing():
+    with pytest.raises(UserError, match="parallel.partition"):
+        composed("parallel=pipeline", "parallel.partition=balanced")
+    with pytest.raises(UserError, match="data.format"):
+        composed("data.format=parquet")
 
 
 def test_pipeline_checks():
     two = World(nproc_per_node=2, nnodes=1, accelerator="cpu")
     assert check(composed("parallel=pipeline", "parallel.micro_batches=2"), two) == []
-    problems = check(composed("parallel=pipeline", "zero=stage2"), two)
+    problems = [str(p) for p in check(composed("parallel=pipeline", "zero=stage2"), two)]
     assert any("DeepSpeed refuses ZeRO-2 and ZeRO-3 with pipeline" in p for p in problems)
-    problems = check(composed("parallel=pipeline", "parallel.stages=3", "parallel.micro_batches=3"), two)
+    problems = [str(p) for p in check(composed("parallel=pipeline", "parallel.stages=3", "parallel.micro_batches=3"),
+                                      two)]
     assert any("parallel.stages=3 does not divide the world size 2" in p for p in problems)
-    problems = check(composed("parallel=pipeline", "parallel.stages=4", "parallel.micro_batches=4"),
-                     World(nproc_per_node=4, nnodes=1, accelerator="cpu"))
+    problems = [str(p) for p in check(composed("parallel=pipeline", "parallel.stages=4", "parallel.micro_batches=4"),
+                                      World(nproc_per_node=4, nnodes=1, accelerator="cpu"))]
     assert any("exceeds the 2 transformer layers of tiny-gpt2" in p for p in problems)
-    problems = check(composed("parallel=pipeline", "parallel.micro_batches=1"), two)
+    problems = [str(p) for p in check(composed("parallel=pipeline", "parallel.micro_batches=1"), two)]
     assert any("1 micro-batch(es) per step for 2 pipeline stages" in p for p in problems)
 
 
 def test_pipeline_micro_batches_set_the_accumulation():
-    from zerorun.config import global_batch, grad_accum_steps
-
     cfg = composed("parallel=pipeline", "parallel.micro_batches=4", "trainer.micro_batch_size=2")
     four = World(nproc_per_node=4, nnodes=1, accelerator="cpu")  # 2 stages × 2 data-parallel replicas
     assert (global_batch(cfg, four), grad_accum_steps(cfg, four)) == (16, 4)

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from zerorun.config import DataConfig, ModelConfig
-from zerorun.data import DataError, RankSampler, pack, prepare, read_lm_texts, synthetic_corpus
+from zerorun.data import DataError, RankSampler, pack, prepare, read_labelled, read_lm_texts, synthetic_corpus, \
+    too_few_sequences
 
 
 def test_synthetic_corpus_is_deterministic():
@@ -67,3 +68,52 @@ def test_a_step_sees_the_same_sequences_however_it_is_split():
         return sorted(int(i) for s in samplers for _ in range(accum) for i in s.next_indices())
 
     assert step_set(2, 2) == step_set(1, 4) == step_set(4, 1)
+
+
+def test_labelled_rows_with_integer_and_named_labels(tmp_path):
+    ints = tmp_path / "ints.jsonl"
+    ints.write_text('{"text": "good", "label": 1}\n\n{"text": "bad", "label": "0"}\n{"text": "meh", "label": 2.0}\n')
+    rows, names = read_labelled(str(ints), "auto", "text", "label", 3)
+    assert rows == [("good", 1), ("bad", 0), ("meh", 2)] and names == ["0", "1", "2"]
+    named = tmp_path / "named.csv"
+    named.write_text("review,sentiment\nfine,pos\nawful,neg\nok,pos\n")
+    rows, names = read_labelled(str(named), "auto", "review", "sentiment", 2)
+    assert names == ["neg", "pos"] and rows == [("fine", 1), ("awful", 0), ("ok", 1)]  # sorted names → ids
+
+
+@pytest.mark.parametrize("content,labels,needle", [
+    ('{"text": "a", "label": 5}\n', 2, "ints.jsonl:1: label 5 is outside [0, 2) for task.num_labels=2"),
+    ('{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n{"text": "c", "label": "z"}\n', 2,
+     "3 distinct labels (x, y, z) but task.num_labels=2. Fix: task.num_labels=3"),
+    ('{"text": "a"}\n', 2, "ints.jsonl:1: no column 'label'"),
+])
+def test_labelled_errors_name_the_file_line_and_fix(tmp_path, content, labels, needle):
+    p = tmp_path / "ints.jsonl"
+    p.write_text(content)
+    with pytest.raises(DataError) as e:
+        read_labelled(str(p), "auto", "text", "label", labels)
+    assert needle in str(e.value)
+
+
+def test_plain_text_has_no_labels(tmp_path):
+    p = tmp_path / "x.txt"
+    p.write_text("hello\n")
+    with pytest.raises(DataError, match="plain text has no labels"):
+        read_labelled(str(p), "auto", "text", "label", 2)
+
+
+def test_a_missing_data_file_is_a_data_error_not_a_traceback(tmp_path):
+    model = ModelConfig(name="t", num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
+                        max_positions=64)
+    with pytest.raises(DataError, match="data.path=/nonexistent/file.txt: no such file"):
+        prepare(DataConfig(path="/nonexistent/file.txt", cache_dir=str(tmp_path)), model, seed=0)
+    with pytest.raises(DataError, match="data.val_path="):
+        real = tmp_path / "train.txt"
+        real.write_text("some text\n")
+        prepare(DataConfig(path=str(real), val_path=str(tmp_path / "nope.txt"), cache_dir=str(tmp_path)), model, 0)
+
+
+def test_too_few_sequences_is_one_rule_for_launcher_and_sampler():
+    assert too_few_sequences(16, 16, "x") is None
+    problem = too_few_sequences(5, 8, "2 ranks × micro-batch 4 × accumulation 1")
+    assert problem.key == "trainer.global_batch_size" and "5 training sequences are too few" in str(problem)

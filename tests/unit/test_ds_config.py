@@ -3,20 +3,16 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
-from zerorun.config import World, register_schemas, to_run_config
-from zerorun.ds_config import render
+from helpers import CPU2, GPU8, composed
+from zerorun.config import make_plan
+from zerorun.ds_config import render as render_plan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-CPU2 = World(nproc_per_node=2, nnodes=1, accelerator="cpu")
-GPU8 = World(nproc_per_node=8, nnodes=1, accelerator="cuda")
 
 
-def composed(*overrides):
-    register_schemas()
-    with initialize_config_module("zerorun.conf", version_base=None):
-        return to_run_config(compose("config", overrides=list(overrides)))
+def render(cfg, world):
+    return render_plan(cfg, make_plan(cfg, world))
 
 
 def _walk(node, path=""):
@@ -38,7 +34,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden(name):
-    ds = render(composed(*CASES[name]), GPU8, nvme_path="/local_nvme")
+    ds = render(composed(*CASES[name], "offload.nvme_path=/local_nvme"), GPU8)
     golden = GOLDEN / f"ds_{name}.json"
     assert ds == json.loads(golden.read_text()), f"rendered JSON differs from {golden}"
 
@@ -53,7 +49,7 @@ def test_deepspeed_accepts_and_nothing_is_auto(name, world, monkeypatch):
     monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(ds_runtime_config.dist, "get_world_size", lambda *a, **k: world.size)
 
-    ds = render(composed(*CASES[name]), world, nvme_path="/tmp/nvme")
+    ds = render(composed(*CASES[name], "offload.nvme_path=/tmp/nvme"), world)
     assert not [p for p, v in _walk(ds) if v == "auto"]
     parsed = DeepSpeedConfig(json.loads(json.dumps(ds)))
     assert parsed.train_batch_size == ds["train_batch_size"]

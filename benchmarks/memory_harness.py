@@ -1,9 +1,10 @@
-"""Measure on CPU what zerorun.memory estimates, and compare the two (memory.md §6).
+"""Measure on CPU what zerorun.memory estimates, and compare the two (docs/memory.md §8).
 
-One place for the measurement helpers that tests/unit/test_memory_validation.py,
-benchmarks/validate_memory_cpu.py and benchmarks/validate_memory_gpu.py share. Not used by a launch:
-torch, transformers and deepspeed are imported inside the functions that need them, so the pure parts
-(configs, estimates, the table, the error summary) import nothing heavy.
+One place for the measurement helpers that tests/integration/test_memory_validation.py,
+benchmarks/validate_memory_cpu.py and benchmarks/validate_memory_gpu.py share. Not part of the
+package (a launch never uses it); what a rank itself measures lives in zerorun.telemetry, which this
+uses. torch, transformers and deepspeed are imported inside the functions that need them, so the
+pure parts (configs, estimates, the table, the error summary) import nothing heavy.
 
 Two kinds of measurement, both with real tensors in one process, one thread:
 
@@ -17,7 +18,7 @@ Two kinds of measurement, both with real tensors in one process, one thread:
   per (checkpointing, seq) after one warm-up step: the forward+backward peak and the optimizer-step peak.
   The whole-run peak is the largest of the three, the quantity the estimator's ``alloc_peak`` predicts.
 
-    DS_ACCELERATOR=cpu python -m zerorun.memory_measure --out m.json [--quick]
+    DS_ACCELERATOR=cpu python benchmarks/memory_harness.py --out m.json [--quick]
 
 writes the raw measurements as JSON (the test reads them and compares them with the estimate itself).
 """
@@ -38,9 +39,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import memory as M
-from .config import Dtype, Family, ModelConfig, OffloadDevice, RunConfig, World
-from .hardware import GIB, Hardware
+from zerorun import memory as M
+from zerorun.config import Dtype, Family, ModelConfig, OffloadDevice, ParallelMode, RunConfig, World, default_task, \
+    Layout, layouts, make_plan
+from zerorun.hardware import GIB, Hardware
+from zerorun.telemetry import live_bytes, model_state_bytes
 
 MIB = 2**20
 CPU1 = World(nproc_per_node=1, nnodes=1, accelerator="cpu")
@@ -70,7 +73,7 @@ def model_file(name: str) -> ModelConfig:
 
 
 def run_cfg(m: ModelConfig, dtype: Dtype, ckpt: bool, seq: int, micro: int, stage: int = 0,
-            offload: OffloadDevice = OffloadDevice.none) -> RunConfig:
+            offload: OffloadDevice = OffloadDevice.none, params: Optional[bool] = None) -> RunConfig:
     """The RunConfig of one measured point: one rank, no gradient accumulation."""
     cfg = RunConfig(model=m)
     cfg.precision.dtype = Dtype(dtype)
@@ -79,15 +82,16 @@ def run_cfg(m: ModelConfig, dtype: Dtype, ckpt: bool, seq: int, micro: int, stag
     cfg.data.seq_len = seq
     cfg.zero.stage = stage
     cfg.offload.device = OffloadDevice(offload)
+    cfg.offload.params = params
     cfg.name = m.name
     return cfg
 
 
-def engine_matrix(quick: bool = False) -> List[Tuple[int, OffloadDevice]]:
-    """ZeRO stage × offload pairs DeepSpeed accepts (offload needs ZeRO ≥ 1). ``quick``: offload once."""
-    pairs = [(s, OffloadDevice.none) for s in range(4)]
-    pairs += [(2, OffloadDevice.cpu)] if quick else [(s, OffloadDevice.cpu) for s in (1, 2, 3)]
-    return pairs
+def engine_matrix(quick: bool = False) -> List[Layout]:
+    """The layouts of the rule table that run on one CPU rank without a disk (all but NVMe).
+    ``quick``: the offloaded ones at ZeRO-2 only."""
+    return [lay for lay in layouts(ParallelMode.dp) if lay.device != OffloadDevice.nvme
+            and not (quick and lay.device != OffloadDevice.none and lay.stage != 2)]
 
 
 # ---------------------------------------------------------------------------------------------- torch helpers
@@ -146,7 +150,7 @@ def make_model(m: ModelConfig, dtype: Dtype, ckpt: bool, fast_init: bool = False
 
     import torch
 
-    from .models import build_model
+    from zerorun.models import build_model
 
     torch.manual_seed(0)
     ctx = contextlib.nullcontext()
@@ -155,7 +159,7 @@ def make_model(m: ModelConfig, dtype: Dtype, ckpt: bool, fast_init: bool = False
 
         ctx = no_init_weights()
     with ctx:
-        model = build_model(m, M.default_task(m), 2)
+        model = build_model(m, default_task(m.family), 2)
     if fast_init:
         model.tie_weights()  # skipped with the init: GPT-2's LM head shares wte
         with torch.no_grad():
@@ -202,80 +206,6 @@ def saved_activations(model, inputs):
 
 def last_block(model):
     return model.transformer.h[-1] if hasattr(model, "transformer") else model.base_model.encoder.layer[-1]
-
-
-_LIVE_BYTES_CLS = None
-
-
-def live_bytes():
-    """A new LiveBytes tracker: a TorchDispatchMode that counts the bytes of every storage an op returns
-    (the first time it sees it) until that storage is freed, and the peak of that sum. Storages made
-    before it starts count only once ``add``-ed. Like torch's MemTracker (memory.md §6) without its
-    per-module bookkeeping, which made the validation matrix three times slower."""
-    global _LIVE_BYTES_CLS
-    if _LIVE_BYTES_CLS is None:
-        import weakref
-
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        class LiveBytes(TorchDispatchMode):
-            def __init__(self, device_type: str = "cpu"):
-                super().__init__()
-                self.device_type = device_type
-                self.sizes = WeakIdKeyDictionary()
-                self.live = 0
-                self.peak = 0
-
-            def _free(self, box):
-                self.live -= box[0]
-
-            def add(self, t, count: bool = True) -> None:
-                if t.device.type != self.device_type:  # meta tensors (DeepSpeed makes some) hold no memory
-                    return
-                st = t.untyped_storage()
-                if st in self.sizes:
-                    return
-                box = [st.nbytes() if count else 0]
-                self.sizes[st] = box
-                weakref.finalize(st, self._free, box)
-                self.live += box[0]
-                self.peak = max(self.peak, self.live)
-
-            def reset_peak(self) -> int:
-                self.peak = self.live
-                return self.live
-
-            def __enter__(self):
-                tracker, orig = self, torch.UntypedStorage.resize_
-                self._orig_resize = orig
-
-                def resize_(st, size):  # not a dispatched op: ZeRO-3 frees gathered params with it
-                    orig(st, size)
-                    box = tracker.sizes.get(st)
-                    if box is not None and box[0] != st.nbytes():
-                        tracker.live += st.nbytes() - box[0]
-                        box[0] = st.nbytes()
-                        tracker.peak = max(tracker.peak, tracker.live)
-
-                torch.UntypedStorage.resize_ = resize_
-                return super().__enter__()
-
-            def __exit__(self, *exc):
-                torch.UntypedStorage.resize_ = self._orig_resize
-                return super().__exit__(*exc)
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        self.add(t)
-                return out
-
-        _LIVE_BYTES_CLS = LiveBytes
-    return _LIVE_BYTES_CLS()
 
 
 def forward_live(model, inputs) -> int:
@@ -380,64 +310,16 @@ def init_single_rank(backend: str = "gloo") -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
-def storages(tensors, device_type: Optional[str] = None) -> Dict[int, int]:
-    """data_ptr → bytes of the distinct storages behind ``tensors`` (scalars left out; only those on
-    ``device_type`` when given)."""
-    import torch
-
-    out = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.numel() > 1 and (device_type is None or t.device.type == device_type):
-            st = t.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-    return out
-
-
-def tensors_in(obj, names_like, grads: bool = True):
-    """Tensors held by attributes of obj whose name contains one of names_like (lists/dicts/tensors),
-    with their ``.grad`` when ``grads``."""
-    import torch
-
-    found = []
-    for name, v in vars(obj).items():
-        if not any(s in name.lower() for s in names_like):
-            continue
-        stack = [v]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, torch.Tensor):
-                found.append(x)
-                if grads and x.grad is not None:
-                    found.append(x.grad)
-            elif isinstance(x, (list, tuple)):
-                stack.extend(x)
-            elif isinstance(x, dict):
-                stack.extend(x.values())
-    return found
-
-
 def engine_model_states(engine, device_type: Optional[str] = None) -> Dict[str, int]:
-    """Parameters, fp32 master copies and optimizer states the engine holds (bytes), read from its tensors;
-    only those on ``device_type`` when given (on a GPU, offloaded states are host RAM, not device memory)."""
-    zopt = engine.optimizer
-    base = getattr(zopt, "optimizer", zopt)
-    params = list(engine.module.parameters())
-    if hasattr(params[0], "ds_tensor"):  # ZeRO-3: the partition + the persistent (whole) small params
-        pbytes = storages([p.ds_tensor for p in params] + [p.data for p in params if getattr(p, "ds_persist", False)],
-                          device_type)
-    else:
-        pbytes = storages([p.data for p in params], device_type)
-    masters = [p for g in base.param_groups for p in g["params"]]
-    masters += tensors_in(zopt, ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups"),
-                          grads=False)
-    master = {k: v for k, v in storages([t.data for t in masters], device_type).items() if k not in pbytes}
-    states = storages([t for st in base.state.values() for t in st.values()], device_type)
-    return {"parameters": sum(pbytes.values()), "fp32 master copies": sum(master.values()),
-            "optimizer states": sum(states.values())}
+    """Parameters (persistent ZeRO-3 ones included), fp32 master copies and optimizer states the engine
+    holds, in bytes (zerorun.telemetry.model_state_bytes, the same reader summary.json uses)."""
+    st = model_state_bytes(engine, device_type)
+    return {"parameters": st["parameters"] + st["persistent parameters"],
+            "fp32 master copies": st["fp32 master copies"], "optimizer states": st["optimizer states"]}
 
 
-def measure_engine(m: ModelConfig, stage: int, offload: OffloadDevice, dtype: Dtype,
-                   subs: Sequence[Tuple[bool, int]], micro: int) -> List[Dict[str, Any]]:
+def measure_engine(m: ModelConfig, layout: Layout, dtype: Dtype, subs: Sequence[Tuple[bool, int]],
+                   micro: int) -> List[Dict[str, Any]]:
     """One real DeepSpeed engine (one rank); a row per (checkpointing, seq) in ``subs``.
 
     The tracker (``live_bytes``) sees only tensors made after it starts (nothing from earlier engines that DeepSpeed
@@ -448,17 +330,18 @@ def measure_engine(m: ModelConfig, stage: int, offload: OffloadDevice, dtype: Dt
     import deepspeed
     import torch
 
-    from .ds_config import render
-    from .models import build_model
+    from zerorun.ds_config import render
+    from zerorun.models import build_model
 
-    cfg = run_cfg(m, dtype, False, subs[0][1], micro, stage, offload)
-    ds = render(cfg, CPU1)
+    stage, offload = layout.stage, layout.device
+    cfg = run_cfg(m, dtype, False, subs[0][1], micro, stage, offload, layout.params)
+    ds = render(cfg, make_plan(cfg, CPU1))
     gc.collect()
     rows = []
     mt = live_bytes()
     with mt:
         torch.manual_seed(0)
-        model = build_model(m, M.default_task(m), 2)
+        model = build_model(m, default_task(m.family), 2)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
         del model
         init_peak = mt.peak
@@ -481,7 +364,7 @@ def measure_engine(m: ModelConfig, stage: int, offload: OffloadDevice, dtype: Dt
             engine.step()
             step = mt.peak
             rows.append({"kind": "engine", "model": m.name, "dtype": Dtype(dtype).value, "zero": stage,
-                         "offload": OffloadDevice(offload).value, "ckpt": ckpt, "seq": seq, "micro": micro,
+                         "offload": OffloadDevice(offload).value, "offload_params": layout.params, "ckpt": ckpt, "seq": seq, "micro": micro,
                          "init": init_peak, "base": base, "fwd_bwd": fwd_bwd, "step_base": step_base,
                          "step": step, "total": max(init_peak, fwd_bwd, step)})
         states = engine_model_states(engine)
@@ -524,8 +407,9 @@ def estimate_engine_row(r: Dict[str, Any], m: ModelConfig, world: World = CPU1,
                         hw: Hardware = CPU_HW) -> Dict[str, Any]:
     """The estimate's numbers for a measured engine row (CPU rank: the allocator peak is the phase
     maximum; the process runtime is not a tensor)."""
-    cfg = run_cfg(m, Dtype(r["dtype"]), r["ckpt"], r["seq"], r["micro"], r["zero"], OffloadDevice(r["offload"]))
-    est = M.estimate(cfg, world, hw)
+    cfg = run_cfg(m, Dtype(r["dtype"]), r["ckpt"], r["seq"], r["micro"], r["zero"], OffloadDevice(r["offload"]),
+                  r.get("offload_params"))
+    est = M.estimate(cfg, make_plan(cfg, world), hw)
     ph = {k: sum(v.values()) for k, v in est.phases.items()}
     step_phase = est.phases["optimizer step"]
     return {"fwd_bwd": max(ph[k] for k in FWD_BWD_PHASES if k in ph),
@@ -540,7 +424,7 @@ def estimate_activation_row(r: Dict[str, Any], m: ModelConfig) -> Dict[str, Any]
     act = M.activations(m, micro, seq, dtype, "cpu", r["ckpt"])
     cfg = run_cfg(m, dtype, r["ckpt"], seq, micro)
     cfg.trainer.global_batch_size = 2 * micro  # the measured step is the 2nd of two accumulating micro-steps
-    est = M.estimate(cfg, CPU1, CPU_HW)
+    est = M.estimate(cfg, make_plan(cfg, CPU1), CPU_HW)
     fb = [ph for name, ph in est.phases.items() if name in ("loss", "backward", "embedding grad")]
     states = ("parameters", "buffers", "fp32 master copies", "optimizer states")
     gpt2 = Family(m.family) == Family.gpt2
@@ -568,7 +452,8 @@ def engine_table(rows: Iterable[Tuple[Dict[str, Any], Dict[str, Any]]], unit: st
     lines = [hdr + f"   ({unit})", "-" * len(hdr)]
     for r, e in rows:
         states = sum(r["states"].values())
-        lines.append(f"{r['model']:17s} {r['dtype']:5s} {r['zero']:4d} {r['offload']:7s} "
+        offload = r["offload"] + ("+p" if r.get("offload_params") else "")
+        lines.append(f"{r['model']:17s} {r['dtype']:5s} {r['zero']:4d} {offload:7s} "
                      f"{'on' if r['ckpt'] else 'off':4s} {r['seq']:4d} | {cell(e['states'], states, 10)} | "
                      f"{cell(e['fwd_bwd'], r['fwd_bwd'], 11)} | {cell(e['step'], r['step'])} | "
                      f"{cell(e['total'], r['total'], 9)}  {e['phase']}")
@@ -631,6 +516,42 @@ class Accuracy:
                 f"(under in {100 * self.under_rate:.0f}% of rows) -> {verdict}")
 
 
+# ---------------------------------------------------------------------------------------------- the report
+
+
+def report(data: Dict[str, Any], elapsed: Optional[float] = None) -> Tuple[List[str], Dict[str, Accuracy], Dict]:
+    """The tables and the accuracy summary of a run_matrix() result: (lines, accuracy by quantity, rows)."""
+    models: Dict[str, ModelConfig] = {}
+
+    def model(name):
+        if name not in models:
+            models[name] = model_file(name)
+        return models[name]
+
+    acts = [(r, estimate_activation_row(r, model(r["model"]))) for r in data["activations"]]
+    engines = [(r, estimate_engine_row(r, model(r["model"]))) for r in data["engines"]]
+    quantities = {
+        "TOTAL (whole-run peak, engine)": [(e["total"], r["total"]) for r, e in engines],
+        "fwd+bwd peak (engine)": [(e["fwd_bwd"], r["fwd_bwd"]) for r, e in engines],
+        "optimizer-step peak (engine)": [(e["step"], r["step"]) for r, e in engines],
+        "model states (engine)": [(e["states"], sum(r["states"].values())) for r, e in engines],
+        "saved activations": [(e["activations"], r["activations"]) for r, e in acts],
+        "fwd+bwd peak (plain model)": [(e["fwd_bwd"], r["fwd_bwd"]) for r, e in acts if r["fwd_bwd"] is not None],
+    }
+    accuracy = {name: Accuracy(name, [_err(est, meas) for est, meas in pairs]) for name, pairs in quantities.items()}
+    took = f"; measured in {elapsed:.0f} s" if elapsed else ""
+    lines = [f"zerorun.memory vs CPU measurements ({data['versions']}){took} "
+             f"(activations {data['timing']['activations_s']:.0f} s, engines {data['timing']['engines_s']:.0f} s)",
+             "", "Activations on a plain HF model, ZeRO-0 semantics, 2nd of two accumulating micro-steps:"]
+    lines += activation_table(acts)
+    lines += ["", "Real DeepSpeed engine, 1 CPU rank (each cell: estimate, measured, error; TOTAL = max(init, "
+                  "fwd+bwd, step)):"]
+    lines += engine_table(engines)
+    lines += ["", "Accuracy (targets: median |error| <= 5%, worst <= 10%, never more than 5% under):"]
+    lines += [f"  {a.line()}" for a in accuracy.values()]
+    return lines, accuracy, {"acts": acts, "engines": engines}
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
@@ -661,10 +582,10 @@ def run_matrix(*, tiny: Sequence[str], real: Sequence[str], dtypes: Sequence[Dty
     for name in tiny:
         m = model_file(name)
         for dtype in dtypes:
-            for stage, off in engine_matrix(quick):
+            for lay in engine_matrix(quick):
                 t = time.perf_counter()
-                out["engines"] += measure_engine(m, stage, off, dtype, subs, micro)
-                log(f"  {name} {Dtype(dtype).value} ZeRO-{stage} offload {off.value}: {time.perf_counter() - t:.1f} s")
+                out["engines"] += measure_engine(m, lay, dtype, subs, micro)
+                log(f"  {name} {Dtype(dtype).value} ZeRO-{lay.stage} offload {lay.label}: {time.perf_counter() - t:.1f} s")
     out["timing"]["engines_s"] = time.perf_counter() - t1
     out["timing"]["total_s"] = time.perf_counter() - t0
     return out
@@ -680,6 +601,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--real-seqs", default="64,128")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="offload=cpu with ZeRO-2 only")
+    ap.add_argument("--print", action="store_true", help="also print the tables and the accuracy summary")
     args = ap.parse_args(argv)
     setup_process()
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
@@ -688,6 +610,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                      micro=args.micro, quick=args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    if args.print:
+        print("\n".join(report(res, res["timing"]["total_s"])[0]))
 
 
 if __name__ == "__main__":

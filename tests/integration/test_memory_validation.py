@@ -1,6 +1,6 @@
-"""zerorun.memory's estimate against real CPU measurements (memory.md §6), over the validation matrix.
+"""zerorun.memory's estimate against real CPU measurements (docs/memory.md §8), over the validation matrix.
 
-One subprocess (``python -m zerorun.memory_measure``: DS_ACCELERATOR=cpu, gloo, world size 1, a free
+One subprocess (``python benchmarks/memory_harness.py``: DS_ACCELERATOR=cpu, gloo, world size 1, a free
 MASTER_PORT, one thread) measures, and this process compares with the estimate (pure arithmetic):
 
 - Activations on a plain HF model: tiny-gpt2 and tiny-bert (micro-batch 4) × fp32/bf16 × checkpointing
@@ -9,8 +9,8 @@ MASTER_PORT, one thread) measures, and this process compares with the estimate (
   micro-batch 1 × seq 64/128: saved activations and logits in both dtypes; the forward/backward peak in
   fp32 at seq 64 only (bf16 matmuls are slow on CPU). Real sizes run no DeepSpeed engine: GPT-2 small's
   states under torch AdamW take most of a minute per engine here.
-- A real DeepSpeed engine per tiny model × ZeRO 0–3 × offload none/cpu (cpu with ZeRO ≥ 1: DeepSpeed
-  refuses it at ZeRO-0) × fp32/bf16, each stepped with checkpointing off/on × seq 64/256: model states
+- A real DeepSpeed engine per tiny model × every layout of the rule table but NVMe (ZeRO 0–3, CPU offload
+  at ZeRO 1–3, at ZeRO-3 with and without the parameters) × fp32/bf16, each stepped with checkpointing off/on × seq 64/256: model states
   read from the engine, and the peaks of live tensor bytes in init, forward+backward and the optimizer
   step. TOTAL is the largest of the three: what the estimator's allocator peak predicts.
 
@@ -19,7 +19,7 @@ once per venv DeepSpeed's cpu_adam JIT build for offload (1–3 minutes; cached 
 ~/.cache/zerorun/torch_extensions). ``pytest -s`` prints the tables; they are also written to
 <pytest tmp>/memory-validation/validation.txt.
 
-What CPU cannot show (memory.md §6.4): CUDA kernels and 1-byte CUDA dropout masks, the CUDA context,
+What CPU cannot show (docs/memory.md §8): CUDA kernels and 1-byte CUDA dropout masks, the CUDA context,
 NCCL, allocator fragmentation, partitioning over more than one rank. benchmarks/validate_memory_gpu.py
 runs the same matrix on a GPU.
 """
@@ -32,11 +32,13 @@ from pathlib import Path
 
 import pytest
 
-from zerorun import memory_measure as MM
+from zerorun.config import OffloadDevice, ParallelMode, layouts
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import memory_harness as MM  # noqa: E402
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -48,50 +50,18 @@ def validation(tmp_path_factory):
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
     env.setdefault("TORCH_EXTENSIONS_DIR", MM.extensions_dir())
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "zerorun.memory_measure", "--out", str(raw)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_harness.py"), "--out", str(raw)],
+                          cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1100,
                           start_new_session=True)
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-5000:]
     data = json.loads(raw.read_text())
-    models = {}
-
-    def model(name):
-        if name not in models:
-            models[name] = MM.model_file(name)
-        return models[name]
-
-    acts = [(r, MM.estimate_activation_row(r, model(r["model"]))) for r in data["activations"]]
-    engines = [(r, MM.estimate_engine_row(r, model(r["model"]))) for r in data["engines"]]
-    err = MM._err
-    accuracy = {
-        "TOTAL (whole-run peak, engine)": MM.Accuracy("TOTAL (whole-run peak, engine)",
-                                                      [err(e["total"], r["total"]) for r, e in engines]),
-        "fwd+bwd peak (engine)": MM.Accuracy("fwd+bwd peak (engine)",
-                                             [err(e["fwd_bwd"], r["fwd_bwd"]) for r, e in engines]),
-        "optimizer-step peak (engine)": MM.Accuracy("optimizer-step peak (engine)",
-                                                    [err(e["step"], r["step"]) for r, e in engines]),
-        "model states (engine)": MM.Accuracy("model states (engine)",
-                                             [err(e["states"], sum(r["states"].values())) for r, e in engines]),
-        "saved activations": MM.Accuracy("saved activations", [err(e["activations"], r["activations"])
-                                                               for r, e in acts]),
-        "fwd+bwd peak (plain model)": MM.Accuracy("fwd+bwd peak (plain model)",
-                                                  [err(e["fwd_bwd"], r["fwd_bwd"]) for r, e in acts
-                                                   if r["fwd_bwd"] is not None]),
-    }
-    lines = [f"zerorun.memory vs CPU measurements ({data['versions']}); measured in {elapsed:.0f} s "
-             f"(activations {data['timing']['activations_s']:.0f} s, engines {data['timing']['engines_s']:.0f} s)",
-             "", "Activations on a plain HF model, ZeRO-0 semantics, 2nd of two accumulating micro-steps:"]
-    lines += MM.activation_table(acts)
-    lines += ["", "Real DeepSpeed engine, 1 CPU rank (each cell: estimate, measured, error; TOTAL = max(init, "
-                  "fwd+bwd, step)):"]
-    lines += MM.engine_table(engines)
-    lines += ["", "Accuracy (targets: median |error| <= 5%, worst <= 10%, never more than 5% under):"]
-    lines += [f"  {a.line()}" for a in accuracy.values()]
+    lines, accuracy, rows = MM.report(data, elapsed)
     text = "\n".join(lines)
     (out_dir / "validation.txt").write_text(text + "\n")
     print("\n" + text + f"\n(table written to {out_dir / 'validation.txt'})")
-    return {"acts": acts, "engines": engines, "accuracy": accuracy, "elapsed": elapsed}
+    return {**rows, "accuracy": accuracy, "elapsed": elapsed}
 
 
 def _rows(pairs, key, tol, measured=lambda r, k: r[k]):
@@ -107,11 +77,18 @@ def _rows(pairs, key, tol, measured=lambda r, k: r[k]):
     return bad
 
 
-def test_matrix_is_complete(validation):
-    """Every model × ZeRO × offload × dtype × checkpointing × seq point was measured."""
+def test_every_layout_zerorun_offers_on_a_cpu_rank_was_measured(validation):
+    """The rule table, not the harness, says what must be covered: every layout zerorun's gate and autofit
+    may choose (all but NVMe, which needs a disk), for both tiny models and dtypes, each with checkpointing
+    off/on at both sequence lengths."""
     engines = validation["engines"]
-    assert len(engines) == 2 * 7 * 2 * 2 * 2
-    assert {(r["zero"], r["offload"]) for r, _ in engines} == {(s, o.value) for s, o in MM.engine_matrix()}
+    offered = {(lay.stage, lay.device.value, lay.params) for lay in layouts(ParallelMode.dp)
+               if lay.device != OffloadDevice.nvme}
+    for model in MM.TINY_MODELS:
+        for dtype in ("fp32", "bf16"):
+            rows = [r for r, _ in engines if (r["model"], r["dtype"]) == (model, dtype)]
+            assert {(r["zero"], r["offload"], r["offload_params"]) for r in rows} == offered, (model, dtype)
+            assert len(rows) == len(offered) * 4  # checkpointing off/on × seq 64/256
     assert {r["model"] for r, _ in validation["acts"]} == set(MM.TINY_MODELS) | set(MM.REAL_MODELS)
 
 

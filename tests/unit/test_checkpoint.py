@@ -1,0 +1,51 @@
+"""Checkpoint discovery and where trainer.resume looks (no engine: the protocol's files only)."""
+from pathlib import Path
+
+from helpers import composed
+from zerorun import checkpoint
+from zerorun.cli import resume_candidates
+
+
+def make_tag(root: Path, step: int, complete: bool = True) -> None:
+    d = root / checkpoint.tag_for(step)
+    d.mkdir(parents=True)
+    if complete:
+        (d / checkpoint.COMPLETE).write_text("{}")
+
+
+def test_complete_tags_are_sorted_by_step_and_incomplete_ones_ignored(tmp_path):
+    for step, ok in ((10, True), (2, True), (30, False), (9, True)):
+        make_tag(tmp_path, step, ok)
+    (tmp_path / "global_stepX").mkdir()  # not ours
+    assert checkpoint.complete_tags(tmp_path) == ["global_step2", "global_step9", "global_step10"]
+    assert checkpoint.complete_tags(tmp_path / "missing") == []
+
+
+def test_latest_tag_follows_the_pointer_only_when_it_names_a_complete_tag(tmp_path):
+    make_tag(tmp_path, 4)
+    make_tag(tmp_path, 8)
+    make_tag(tmp_path, 12, complete=False)
+    assert checkpoint.latest_tag(tmp_path) == "global_step8"  # no pointer: newest complete
+    (tmp_path / checkpoint.LATEST).write_text("global_step4")
+    assert checkpoint.latest_tag(tmp_path) == "global_step4"
+    (tmp_path / checkpoint.LATEST).write_text("global_step12")  # written before the crash finished the tag
+    assert checkpoint.latest_tag(tmp_path) == "global_step8"
+
+
+def test_find_resume_point_takes_the_first_candidate_with_a_complete_tag(tmp_path):
+    empty, older = tmp_path / "empty", tmp_path / "older"
+    empty.mkdir()
+    make_tag(older / "checkpoints", 6)
+    assert checkpoint.find_resume_point([empty, older]) == (older / "checkpoints", "global_step6")
+    assert checkpoint.find_resume_point([older / "checkpoints"]) == (older / "checkpoints", "global_step6")
+    assert checkpoint.find_resume_point([empty]) is None
+
+
+def test_resume_candidates_this_run_then_siblings_newest_first(tmp_path):
+    exp = tmp_path / "outputs" / "tiny-gpt2"
+    for name in ("2026-01-01_10-00-00", "2026-01-02_10-00-00", "2026-01-03_10-00-00"):
+        (exp / name).mkdir(parents=True)
+    this = exp / "2026-01-02_10-00-00"
+    assert resume_candidates(composed(), this) == [this, exp / "2026-01-03_10-00-00", exp / "2026-01-01_10-00-00"]
+    explicit = composed(f"trainer.resume_from={tmp_path / 'x'}")
+    assert resume_candidates(explicit, this) == [tmp_path / "x"]

@@ -1,0 +1,198 @@
+"""``check``: every cross-key problem of a composed config at once, each with key, value and fix.
+
+Pure, except two looks at the machine (libaio present, NVMe dir writable), which come from
+zerorun.hardware and which callers (tests) can pass in.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
+
+from .errors import UserError
+from .plan import World, data_parallel_size, grad_accum_steps
+from .rules import offload_problems, pipeline_problems, resolve_task, task_problems
+from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, RunConfig
+
+
+def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
+          writable: Optional[Callable[[str], Optional[str]]] = None) -> List[UserError]:
+    """Every cross-key problem in the config; an empty list means it can be launched.
+
+    ``libaio``: whether DeepSpeed's async I/O can build (None: look). ``writable(path)``: None when a
+    directory can be created and written there, else the reason (None: try it for real).
+    """
+    from .. import hardware
+
+    P = UserError
+    problems: List[UserError] = []
+    z, off, prec, tr, m = cfg.zero, cfg.offload, cfg.precision, cfg.trainer, cfg.model
+
+    if z.stage not in (0, 1, 2, 3):
+        problems.append(P(f"zero.stage={z.stage}: ZeRO has stages 0-3.", "zero=stage0|stage1|stage2|stage3.",
+                          key="zero.stage", value=z.stage))
+    problems += offload_problems(z.stage, off.device, off.params)
+    if off.device == OffloadDevice.nvme:
+        if not (hardware.libaio_available() if libaio is None else libaio):
+            problems.append(P("offload=nvme: libaio is not installed, DeepSpeed's async I/O op cannot build.",
+                              "apt-get install libaio-dev (Debian/Ubuntu), or offload=cpu.", key="offload.device",
+                              value="nvme"))
+        reason = (writable or hardware.writable_dir_problem)(off.nvme_path) if off.nvme_path else None
+        if reason:
+            problems.append(P(f"offload.nvme_path={off.nvme_path}: not a writable directory ({reason}).",
+                              "point it at a directory on a local NVMe disk you can write to.",
+                              key="offload.nvme_path", value=off.nvme_path))
+    problems += _precision_problems(cfg, world)
+
+    for key, value in (("trainer.max_steps", tr.max_steps), ("trainer.micro_batch_size", tr.micro_batch_size),
+                       ("data.seq_len", cfg.data.seq_len)):
+        if value < 1:
+            problems.append(P(f"{key}={value}: must be at least 1.", key=key, value=value))
+    if tr.lr <= 0:
+        problems.append(P(f"trainer.lr={tr.lr}: must be positive.", "e.g. trainer.lr=3e-4.", key="trainer.lr",
+                          value=tr.lr))
+    if tr.save_every < 0:
+        problems.append(P(f"trainer.save_every={tr.save_every}: must be 0 (only at the end) or a positive step "
+                          "count.", key="trainer.save_every", value=tr.save_every))
+    if not 0 <= cfg.data.val_fraction < 1:
+        problems.append(P(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1).", key="data.val_fraction",
+                          value=cfg.data.val_fraction))
+
+    dp = data_parallel_size(cfg, world)
+    if tr.global_batch_size is not None and tr.micro_batch_size >= 1:
+        per_step = tr.micro_batch_size * dp
+        if tr.global_batch_size < per_step or tr.global_batch_size % per_step:
+            fit = max(1, tr.global_batch_size // per_step) * per_step
+            problems.append(P(
+                f"trainer.global_batch_size={tr.global_batch_size} is not a multiple of micro_batch_size × "
+                f"data-parallel ranks = {tr.micro_batch_size} × {dp} = {per_step}.",
+                f"trainer.global_batch_size={fit}, or a micro_batch_size that divides it.",
+                key="trainer.global_batch_size", value=tr.global_batch_size))
+
+    if m.num_layers < 1 or m.hidden_size < 1 or m.num_heads < 1:
+        problems.append(P(f"model {m.name}: num_layers, hidden_size and num_heads must be positive.", key="model"))
+    elif m.hidden_size % m.num_heads:
+        problems.append(P(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.",
+                          "choose heads that divide the hidden size.", key="model.num_heads", value=m.num_heads))
+    if cfg.data.seq_len > m.max_positions:
+        problems.append(P(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions} of "
+                          f"{m.name}.", f"data.seq_len={m.max_positions} or less.", key="data.seq_len",
+                          value=cfg.data.seq_len))
+
+    problems += task_problems(resolve_task(cfg.task.name, m.family), m.family, m.name, cfg.task.num_labels)
+    problems += _launcher_problems(cfg, world)
+    if cfg.parallel.mode == ParallelMode.pipeline:
+        problems += pipeline_problems(z.stage) + _pipeline_problems(cfg, world)
+    problems += _deepspeed_override_problems(cfg.deepspeed, prec.dtype)
+    return problems
+
+
+def _precision_problems(cfg: RunConfig, world: World) -> List[UserError]:
+    P, prec, out = UserError, cfg.precision, []
+    if prec.dtype == Dtype.fp16 and not world.fp16_ok:
+        out.append(P(f"precision=fp16 on {world.accelerator} ranks: this device has no fp16 training support "
+                     "(DeepSpeed's CPU accelerator needs AVX512-FP16 or AMX).", "precision=bf16, or run on GPUs.",
+                     key="precision.dtype", value="fp16"))
+    if prec.dtype != Dtype.fp16 and prec.loss_scale != 0:
+        out.append(P(f"precision.loss_scale={prec.loss_scale} with precision={prec.dtype.value}: loss scaling is "
+                     "for fp16 only.", "precision=fp16, or drop precision.loss_scale.", key="precision.loss_scale",
+                     value=prec.loss_scale))
+    if prec.loss_scale < 0:
+        out.append(P(f"precision.loss_scale={prec.loss_scale}: must be 0 (dynamic) or a positive static scale.",
+                     key="precision.loss_scale", value=prec.loss_scale))
+    if prec.dtype == Dtype.fp16:
+        # The dynamic scaler's knobs: each is a count or an exponent, so each has a floor.
+        if prec.min_loss_scale <= 0:
+            out.append(P(f"precision.min_loss_scale={prec.min_loss_scale}: must be > 0.",
+                         "precision.min_loss_scale=1.", key="precision.min_loss_scale", value=prec.min_loss_scale))
+        if not 0 <= prec.initial_scale_power <= 32:
+            out.append(P(f"precision.initial_scale_power={prec.initial_scale_power}: the dynamic loss scale starts at "
+                         "2**initial_scale_power and must be in [0, 32].", "precision.initial_scale_power=16.",
+                         key="precision.initial_scale_power", value=prec.initial_scale_power))
+        for key, value in (("loss_scale_window", prec.loss_scale_window), ("hysteresis", prec.hysteresis)):
+            if value < 1:
+                out.append(P(f"precision.{key}={value}: must be at least 1.", key=f"precision.{key}", value=value))
+    return out
+
+
+def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
+    P, la, out = UserError, cfg.launcher, []
+    if world.nproc_per_node < 1:
+        out.append(P(f"launcher.nproc_per_node={world.nproc_per_node}: must be at least 1.",
+                     key="launcher.nproc_per_node", value=world.nproc_per_node))
+    if la.nnodes < 1:
+        out.append(P(f"launcher.nnodes={la.nnodes}: must be at least 1.", key="launcher.nnodes", value=la.nnodes))
+    elif not 0 <= la.node_rank < la.nnodes:
+        out.append(P(f"launcher.node_rank={la.node_rank}: must be in [0, launcher.nnodes={la.nnodes}).",
+                     key="launcher.node_rank", value=la.node_rank))
+    if la.name == LauncherName.deepspeed and la.nnodes > 1 and not la.hostfile:
+        out.append(P(f"launcher=deepspeed with launcher.nnodes={la.nnodes} and no launcher.hostfile: the deepspeed "
+                     "CLI starts other nodes only from a hostfile.", "launcher.hostfile=<file with 'host slots=N' "
+                     "lines>, or launcher=torchrun started on every node with launcher.node_rank (see "
+                     "launch/README.md).", key="launcher.hostfile"))
+    if la.nnodes > 1 and la.master_addr in ("127.0.0.1", "localhost") and not la.hostfile:
+        out.append(P(f"launcher.nnodes={la.nnodes} with launcher.master_addr={la.master_addr}: other nodes cannot "
+                     "reach this loopback address.", "launcher.master_addr=<node 0's hostname or IP>.",
+                     key="launcher.master_addr", value=la.master_addr))
+    return out
+
+
+def _pipeline_problems(cfg: RunConfig, world: World) -> List[UserError]:
+    P, par, out = UserError, cfg.parallel, []
+    if par.stages < 1 or world.size % par.stages:
+        best = max(d for d in range(1, world.size + 1) if world.size % d == 0 and d <= max(1, par.stages))
+        out.append(P(f"parallel.stages={par.stages} does not divide the world size {world.size} ({world.nnodes} "
+                     f"node(s) × {world.nproc_per_node} rank(s)).", f"parallel.stages={best}, or a rank count "
+                     "that is a multiple of it.", key="parallel.stages", value=par.stages))
+    if par.stages > cfg.model.num_layers:
+        out.append(P(f"parallel.stages={par.stages} exceeds the {cfg.model.num_layers} transformer layers of "
+                     f"{cfg.model.name}: some stage would hold no layer.",
+                     f"parallel.stages={cfg.model.num_layers} or fewer.", key="parallel.stages", value=par.stages))
+    if par.micro_batches < 0:
+        out.append(P(f"parallel.micro_batches={par.micro_batches}: must be 0 (derived) or positive.",
+                     key="parallel.micro_batches", value=par.micro_batches))
+    elif par.stages >= 1 and world.size % par.stages == 0:
+        accum = grad_accum_steps(cfg, world)
+        if par.micro_batches and cfg.trainer.global_batch_size and accum != par.micro_batches:
+            out.append(P(f"parallel.micro_batches={par.micro_batches} disagrees with trainer.global_batch_size="
+                         f"{cfg.trainer.global_batch_size} (which gives {accum} micro-batches per step).",
+                         "set one of them.", key="parallel.micro_batches", value=par.micro_batches))
+        elif accum < par.stages:
+            out.append(P(f"{accum} micro-batch(es) per step for {par.stages} pipeline stages: most stages would sit "
+                         "idle (the pipeline bubble).", f"parallel.micro_batches={par.stages} or more (or a larger "
+                         "trainer.global_batch_size).", key="parallel.micro_batches", value=par.micro_batches))
+    return out
+
+
+# Top-level DeepSpeed keys zerorun renders itself; an override of these goes through the typed
+# groups instead, so the check and the estimator see the real value.
+OWNED_DS_KEYS = {
+    "train_batch_size": "trainer.global_batch_size",
+    "train_micro_batch_size_per_gpu": "trainer.micro_batch_size",
+    "gradient_accumulation_steps": "trainer.global_batch_size",
+    "zero_optimization": "zero=... / offload=...",
+    "fp16": "precision=fp16",
+    "bf16": "precision=bf16",
+}
+
+
+def _deepspeed_override_problems(overrides: Dict[str, Any], dtype: Dtype) -> List[UserError]:
+    P, out = UserError, []
+    for key in overrides:
+        enabled = isinstance(overrides[key], dict) and overrides[key].get("enabled")
+        if key in ("fp16", "bf16") and enabled and dtype not in (Dtype.fp32, Dtype(key)):
+            out.append(P(f"deepspeed.{key}.enabled=true with precision={dtype.value}: fp16 and bf16 cannot both be "
+                         "enabled.", f"choose one, precision={key} or precision={dtype.value}, and drop "
+                         f"deepspeed.{key}.", key=f"deepspeed.{key}.enabled", value=True))
+        elif key in OWNED_DS_KEYS:
+            out.append(P(f"deepspeed.{key}: zerorun renders this key from its config groups.",
+                         f"set {OWNED_DS_KEYS[key]} instead.", key=f"deepspeed.{key}"))
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+        elif node == "auto":
+            out.append(P(f'{path}="auto": zerorun renders complete values.', "give a number or drop the key.",
+                         key=path, value="auto"))
+
+    walk(overrides, "deepspeed")
+    return out

@@ -1,0 +1,140 @@
+"""From overrides to a typed RunConfig: the key-typo check and composition, for every entry point.
+
+One walker (``schema_problem``) looks a dotted key up in the schema. It checks the command line before
+Hydra composes (Hydra's own answer to a typo suggests ``+key=``, which would add the typo silently)
+and the composed tree afterwards (keys added with ``+`` and keys from group files).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import ConfigError, UserError
+from .schema import RunConfig, register_schemas
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    """The nested schema of a field (a dataclass), or None for a leaf or a free-form dict."""
+    factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+    return factory if factory is not None and dataclasses.is_dataclass(factory) else None
+
+
+def schema_problem(key: str) -> Optional[str]:
+    """None when the dotted ``key`` is in the schema (or below a free-form dict such as deepspeed.*),
+    else why not, with the closest spelling."""
+    node: Any = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if node is None:
+            return None  # a free-form dict or a leaf: Hydra/OmegaConf check the rest
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            close = difflib.get_close_matches(part, fields, n=1)
+            where = ".".join(parts[:i]) or "the config"
+            return (f"did you mean {'.'.join(parts[:i] + [close[0]] + parts[i + 1:])}?" if close
+                    else f"{where} has: {', '.join(fields)}")
+        node = _field_type(fields[part])
+    return None
+
+
+def unknown_override_keys(overrides: Sequence[str]) -> List[UserError]:
+    """Command-line overrides whose key is not in the schema (typos), before Hydra composes."""
+    problems = []
+    for ov in overrides:
+        if "=" not in ov or ov[0] in "+~" or ov.startswith(("hydra.", "hydra/", "-")):
+            continue
+        key = ov.split("=", 1)[0]
+        if "." not in key:
+            continue  # a group choice (zero=stage2) or a top-level value: Hydra checks those
+        hint = schema_problem(key)
+        if hint:
+            problems.append(UserError(f"unknown key {key} ({hint}).", "correct the spelling.", key=key))
+    return problems
+
+
+def group_options() -> dict:
+    """Each config group of the packaged conf/ and its options (the YAML files in it)."""
+    import importlib.resources
+
+    root = importlib.resources.files("zerorun.conf")
+    return {d.name: sorted(f.name[:-5] for f in d.iterdir() if f.name.endswith(".yaml"))
+            for d in root.iterdir() if d.is_dir() and not d.name.startswith("_")}
+
+
+def unknown_group_choices(overrides: Sequence[str]) -> List[UserError]:
+    """``group=option`` overrides (sweep lists ``a,b`` too) naming an option conf/ does not have, before Hydra
+    composes: its own answer is a multi-line block and exit 1."""
+    groups, problems = group_options(), []
+    for ov in overrides:
+        if "=" not in ov or ov.startswith(("hydra", "-", "~")):
+            continue
+        key, value = ov.split("=", 1)
+        group = key.lstrip("+")
+        if group not in groups or any(c in value for c in "()[]{}$*?"):
+            continue  # not a group, or a sweep expression Hydra expands itself
+        for option in value.split(","):
+            if option and option != "null" and option not in groups[group]:
+                close = difflib.get_close_matches(option, groups[group], n=1)
+                problems.append(UserError(
+                    f"{key}={option}: Could not find '{group}/{option}'; {group} has: {', '.join(groups[group])}.",
+                    f"{key}={close[0]}?" if close else f"one of {', '.join(groups[group])}.", key=group, value=option))
+    return problems
+
+
+def unknown_keys(node: Any, prefix: str = "") -> List[str]:
+    """Dotted keys of a composed tree that the schema does not have, each with its hint."""
+    found = []
+    for key in node.keys() if hasattr(node, "keys") else []:
+        path = f"{prefix}{key}"
+        hint = schema_problem(path)
+        if hint:
+            found.append(f"{path}" + (f" ({hint})" if hint.startswith("did you mean") else ""))
+        elif hasattr(node[key], "keys") and _is_schema_node(path):
+            found += unknown_keys(node[key], f"{path}.")
+    return found
+
+
+def _is_schema_node(path: str) -> bool:
+    node: Any = RunConfig
+    for part in path.split("."):
+        node = _field_type({f.name: f for f in dataclasses.fields(node)}[part])
+        if node is None:
+            return False
+    return True
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """A plain, fully resolved RunConfig object (enums as enums) from a composed config."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    extra = unknown_keys(cfg)
+    if extra:
+        raise ConfigError([UserError(f"unknown key {k}.", "check the spelling (zerorun --cfg job lists every key).",
+                                     key=k.split(" ")[0]) for k in extra])
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        OmegaConf.resolve(merged)
+        return OmegaConf.to_object(merged)
+    except Exception as e:  # a wrong type or an invalid enum value: OmegaConf's first line names the key
+        raise UserError(str(e).strip().splitlines()[0],
+                        "check the key's spelling and type (zerorun --cfg job shows them all).") from None
+
+
+def compose(overrides: Sequence[str]) -> RunConfig:
+    """The RunConfig ``zerorun <overrides>`` would run, composed in-process (zerorun-estimate, tests):
+    the same typo check, Hydra composition and typing as the zerorun command."""
+    from hydra import compose as hydra_compose, initialize_config_module
+
+    typos = unknown_override_keys(overrides) + unknown_group_choices(overrides)
+    if typos:
+        raise ConfigError(typos)
+    register_schemas()
+    try:
+        with initialize_config_module("zerorun.conf", version_base=None):
+            raw = hydra_compose("config", overrides=list(overrides))
+    except Exception as e:  # an unknown group option or a malformed override: Hydra's first line says which
+        raise UserError(str(e).strip().splitlines()[0]) from None
+    return to_run_config(raw)

@@ -1,0 +1,137 @@
+"""What goes with what: the one place for each rule that several parts of zerorun need.
+
+``check`` refuses what breaks a rule, autofit and the estimate table walk ``layouts()``, the memory
+measurement matrix is drawn from it, and the tests hold it against DeepSpeed's own behaviour.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import List, Optional
+
+from .errors import UserError
+from .schema import Family, OffloadDevice, ParallelMode, TaskName
+
+# ---------------------------------------------------------------------------------------------
+# Where model states live: ZeRO stage × offload device × parameter offload
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A ZeRO stage, where optimizer states go, and whether parameters go there too (ZeRO-3 only)."""
+
+    stage: int
+    device: OffloadDevice
+    params: bool
+
+    @property
+    def label(self) -> str:
+        if self.device == OffloadDevice.none:
+            return "none"
+        if self.stage < 3:
+            return self.device.value
+        return f"{self.device.value} ({'+params' if self.params else 'optimizer'})"
+
+
+def params_offloaded(stage: int, device: OffloadDevice, params: Optional[bool]) -> bool:
+    """Parameters are offloaded: ZeRO-3 with an offload device and offload.params not false (unset = yes)."""
+    return stage == 3 and OffloadDevice(device) != OffloadDevice.none and params is not False
+
+
+def offload_problems(stage: int, device: OffloadDevice, params: Optional[bool]) -> List[UserError]:
+    """DeepSpeed's rules for offload (ZeRO-Offload / ZeRO-Infinity)."""
+    device = OffloadDevice(device)
+    out = []
+    if device != OffloadDevice.none and stage == 0:
+        out.append(UserError(
+            f"offload={device.value} with zero.stage=0: DeepSpeed offloads only ZeRO-partitioned state.",
+            "zero=stage2 (optimizer offload) or zero=stage3 (parameters too), or offload=none.",
+            key="offload.device", value=device.value))
+    if params and stage != 3:
+        out.append(UserError(
+            f"offload.params=true with zero.stage={stage}: only ZeRO-3 partitions parameters, so only it can "
+            "offload them.", "zero=stage3, or offload.params=false (optimizer states still offload).",
+            key="offload.params", value=True))
+    if params and device == OffloadDevice.none:
+        out.append(UserError("offload.params=true with offload=none: nowhere to offload to.",
+                             "offload=cpu or offload=nvme.", key="offload.params", value=True))
+    if device == OffloadDevice.nvme and stage != 3:
+        out.append(UserError(
+            f"offload=nvme with zero.stage={stage}: DeepSpeed's NVMe offload (ZeRO-Infinity) needs ZeRO-3.",
+            "zero=stage3, or offload=cpu.", key="offload.device", value="nvme"))
+    return out
+
+
+def pipeline_problems(stage: int) -> List[UserError]:
+    """DeepSpeed's rule for pipelines: ZeRO-0/1 only."""
+    if stage < 2:
+        return []
+    return [UserError(
+        f"parallel=pipeline with zero.stage={stage}: DeepSpeed refuses ZeRO-2 and ZeRO-3 with pipeline "
+        "parallelism (they partition gradients/parameters across the pipeline's data-parallel groups).",
+        "zero=stage1 or zero=stage0, or parallel=dp.", key="zero.stage", value=stage)]
+
+
+def layouts(mode: ParallelMode = ParallelMode.dp) -> List[Layout]:
+    """Every layout zerorun offers for ``mode``, in table order: those the rules above accept, and for a
+    pipeline no offload (DeepSpeed allows it at ZeRO-1, but zerorun has not tested it)."""
+    out = []
+    for stage in range(4):
+        for device in OffloadDevice:
+            for params in (False, True):
+                if offload_problems(stage, device, params) or (params and stage < 3):
+                    continue
+                if ParallelMode(mode) == ParallelMode.pipeline and (pipeline_problems(stage)
+                                                                   or device != OffloadDevice.none):
+                    continue
+                out.append(Layout(stage, device, params))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Model family → task → built-in data set
+
+
+def default_task(family: Family) -> TaskName:
+    """task=auto: causal LM for the GPT-2 family, sequence classification for BERT/RoBERTa."""
+    return TaskName.causal_lm if Family(family) == Family.gpt2 else TaskName.sequence_classification
+
+
+def resolve_task(task: TaskName, family: Family) -> TaskName:
+    return default_task(family) if TaskName(task) == TaskName.auto else TaskName(task)
+
+
+def task_problems(task: TaskName, family: Family, model_name: str, num_labels: int) -> List[UserError]:
+    family = Family(family)
+    out = []
+    if task == TaskName.causal_lm and family != Family.gpt2:
+        out.append(UserError(f"task=causal_lm with model {model_name} (family {family.value}): encoders are not "
+                             "causal LMs here.", "task=sequence_classification, or a GPT-2 model.", key="task"))
+    if task == TaskName.sequence_classification and family == Family.gpt2:
+        out.append(UserError(f"task=sequence_classification with model {model_name}: zerorun classifies with the "
+                             "BERT family.", "+model=tiny-bert|bert-base-uncased|minilm|roberta-base, or "
+                             "task=causal_lm.", key="task"))
+    if task == TaskName.sequence_classification and num_labels < 2:
+        out.append(UserError(f"task.num_labels={num_labels}: classification needs at least 2 labels.",
+                             key="task.num_labels", value=num_labels))
+    return out
+
+
+BUILTIN_DATASETS = {TaskName.causal_lm: "synthetic", TaskName.sequence_classification: "sentiment"}
+"""data.name=auto: the built-in set that fits the task (both made by zerorun, offline)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer implementation each layout gets
+
+
+class OptimizerImpl(str, enum.Enum):
+    fused_adam = "fused_adam"  # DeepSpeed's FusedAdam: GPU ranks, states on the GPU
+    cpu_adam = "cpu_adam"  # DeepSpeedCPUAdam: optimizer offload, steps on the host
+    torch_adamw = "torch_adamw"  # torch.optim.AdamW: CPU ranks (FusedAdam's CPU build is a JIT compile)
+
+
+def optimizer_impl(accelerator: str, offload_optimizer: bool) -> OptimizerImpl:
+    if offload_optimizer:
+        return OptimizerImpl.cpu_adam
+    return OptimizerImpl.torch_adamw if accelerator == "cpu" else OptimizerImpl.fused_adam

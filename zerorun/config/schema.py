@@ -1,0 +1,295 @@
+"""The typed run configuration: one dataclass per Hydra config group, every choice an Enum.
+
+The YAML files under ``conf/`` pick values; these schemas say which keys exist, their types and
+defaults (Hydra refuses unknown keys and wrong types while composing). What the values imply
+(task, batch geometry, offload, optimizer) is derived once in ``plan.py``; which combinations are
+allowed lives in ``rules.py``; ``checks.py`` reports every problem at once.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+class OffloadDevice(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Dtype(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class ParallelMode(str, enum.Enum):
+    dp = "dp"
+    pipeline = "pipeline"
+
+
+class LauncherName(str, enum.Enum):
+    deepspeed = "deepspeed"
+    torchrun = "torchrun"
+
+
+class Schedule(str, enum.Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Partition(str, enum.Enum):
+    parameters = "parameters"
+    uniform = "uniform"
+
+
+class DataFormat(str, enum.Enum):
+    auto = "auto"
+    txt = "txt"
+    jsonl = "jsonl"
+    csv = "csv"
+
+
+class GateMode(str, enum.Enum):
+    strict = "strict"
+    warn = "warn"
+    off = "off"
+    autofit = "autofit"
+
+
+class Family(str, enum.Enum):
+    gpt2 = "gpt2"
+    bert = "bert"
+    roberta = "roberta"
+
+
+class TaskName(str, enum.Enum):
+    auto = "auto"
+    causal_lm = "causal_lm"
+    sequence_classification = "sequence_classification"
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """ZeRO stage 0-3: what is partitioned across data-parallel ranks (0 nothing, 1 optimizer
+    states, 2 + gradients, 3 + parameters)."""
+    reduce_bucket_size: Optional[int] = None
+    """Elements per gradient-reduce bucket. None: hidden², as HF's "auto" does; DeepSpeed's own
+    default of 5e8 costs ~1 GiB in 16-bit and makes CPU runs crawl."""
+    allgather_bucket_size: Optional[int] = None
+    """Elements per all-gather bucket (stage 1-2). None: hidden²."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward. Costs extra bucket buffers (4.5x the bucket)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    stage3_prefetch_bucket_size: Optional[int] = None
+    """Stage 3: elements prefetched ahead of use. None: 0.9·hidden²."""
+    stage3_param_persistence_threshold: Optional[int] = None
+    """Stage 3: parameters smaller than this stay whole on every rank. None: 10·hidden."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Stage 3: upper bound of gathered parameters alive at once."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """Stage 3: keep a gathered parameter if it is reused within this many elements."""
+
+
+@dataclass
+class OffloadConfig:
+    device: OffloadDevice = OffloadDevice.none
+    """Where optimizer states (and with ZeRO-3, parameters) live: none (accelerator), cpu, nvme."""
+    params: Optional[bool] = None
+    """Offload parameters too (ZeRO-3 only). None: yes with ZeRO-3; true below stage 3 is refused."""
+    nvme_path: str = ""
+    """Directory for NVMe offload swap files. Empty: <run dir>/nvme_swap."""
+    pin_memory: bool = True
+    """Pin host buffers: faster transfers, but pinned RAM cannot be swapped out."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Dtype = Dtype.fp32
+    """Training precision of the module: fp32, fp16 (loss-scaled) or bf16."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 selects dynamic loss scaling; a positive value is a static scale."""
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic scale never drops below this."""
+
+
+@dataclass
+class ParallelConfig:
+    mode: ParallelMode = ParallelMode.dp
+    """dp: data parallel (ZeRO shards over all ranks); pipeline: model split into stages."""
+    stages: int = 1
+    """Pipeline stages (pipeline mode)."""
+    micro_batches: int = 0
+    """Pipeline micro-batches per optimizer step; 0 derives it from the batch sizes."""
+    partition: Partition = Partition.parameters
+    """Pipeline layer partitioning: parameters (balance trainable parameters) | uniform (layers)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Short name of this model file (tiny-gpt2, gpt2, ...)."""
+    family: Family = Family.gpt2
+    """Architecture family: gpt2 (decoder) or bert / roberta (encoder)."""
+    name_or_path: str = ""
+    """Hub name, local directory of a Hugging Face checkpoint, or pkg://<package>/<dir> for one a
+    Python package ships; weights are read from it when pretrained=true."""
+    pretrained: bool = False
+    """true: load weights (and tokenizer) from name_or_path; false: random init from the architecture below."""
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    intermediate_size: int = MISSING
+    vocab_size: int = MISSING
+    max_positions: int = MISSING
+    type_vocab_size: int = 2
+    """BERT only: token-type embeddings."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention and residuals (HF's default)."""
+
+
+@dataclass
+class TaskConfig:
+    name: TaskName = TaskName.auto
+    """auto: causal_lm for the GPT-2 family, sequence_classification for BERT/RoBERTa."""
+    num_labels: int = 2
+    """sequence_classification: number of classes."""
+
+
+@dataclass
+class LauncherConfig:
+    name: LauncherName = LauncherName.deepspeed
+    """deepspeed: the DeepSpeed CLI; torchrun: torch.distributed.run."""
+    nproc_per_node: Optional[int] = None
+    """Ranks per node. None: one per GPU; without GPUs, CPU ranks (min(2, cores))."""
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    """None: a free port on this machine."""
+    hostfile: str = ""
+    """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all ranks. None: micro_batch_size × data-parallel ranks.
+    Gradient accumulation = global / (micro × data-parallel ranks); it must divide."""
+    lr: float = 3e-4
+    lr_schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    """cosine: the LR decays to lr × min_lr_ratio."""
+    weight_decay: float = 0.01
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+    save_every: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep this many complete checkpoints; older ones are deleted."""
+    resume: bool = False
+    """Resume from the newest complete checkpoint of this experiment (see resume_from)."""
+    resume_from: str = ""
+    """A run dir or checkpoint dir to resume from. Empty: this run dir, else the newest run
+    of the same experiment name that has a complete checkpoint."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    progress: bool = True
+    """Progress bar on rank 0."""
+    export: bool = True
+    """Save the final model (and tokenizer) in Hugging Face format under <run dir>/export."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "auto"
+    """A label for the data set (the run dir and cache use it)."""
+    path: str = ""
+    """A local file (txt, jsonl, csv). Empty: the built-in data set called `name` (synthetic: an
+    English-like LM corpus; sentiment: a labelled review set), made by zerorun, offline."""
+    format: DataFormat = DataFormat.auto
+    """auto (from the file suffix) | txt | jsonl | csv."""
+    text_column: str = "text"
+    label_column: str = "label"
+    """Classification: integer labels in [0, task.num_labels), or strings (sorted names map to 0..n-1)."""
+    val_path: str = ""
+    """A separate validation file; empty: carve data.val_fraction out of data.path."""
+    hf_dataset: str = ""
+    """A Hugging Face dataset name (needs the network and `pip install datasets`)."""
+    hf_config_name: str = ""
+    hf_train_split: str = "train"
+    hf_val_split: str = ""
+    """Empty: carve data.val_fraction out of the train split."""
+    seq_len: int = 128
+    """Tokens per sequence: packed blocks for causal LM; the truncation length for classification
+    (batches are padded only to their longest sequence)."""
+    val_fraction: float = 0.05
+    """Fraction held out for validation (carved with the seed)."""
+    synthetic_docs: int = 4000
+    """Documents in the synthetic corpus."""
+    tokenizer: str = "auto"
+    """auto: the model's own tokenizer when pretrained, else a byte-level BPE trained on the
+    corpus (cached). Or a hub name / local tokenizer directory."""
+    tokenizer_vocab: int = 4096
+    """Vocabulary of the trained BPE (capped at the model's vocab_size)."""
+    cache_dir: str = ""
+    """Where tokenized data is cached. Empty: $ZERORUN_CACHE or ~/.cache/zerorun."""
+
+
+@dataclass
+class HardwareConfig:
+    """What to plan for. None: detect this machine."""
+    gpus_per_node: Optional[int] = None
+    gpu_mem_gib: Optional[float] = None
+    nodes: Optional[int] = None
+    host_mem_gib: Optional[float] = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    name: str = "${model.name}"
+    """Experiment name: groups run dirs (outputs/<name>/<time>) and resume looks there."""
+    seed: int = 1234
+    dry_run: bool = False
+    """Compose, check, estimate, render and write the run dir; print the command; do not launch."""
+    gate: GateMode = GateMode.strict
+    """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed JSON merged over the rendered one (expert escape hatch; checked too)."""
+
+
+def register_schemas() -> None:
+    """Register the typed root schema; config.yaml lists it first so every group file is validated."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config_schema", node=RunConfig)

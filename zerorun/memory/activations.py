@@ -1,0 +1,169 @@
+"""§3 Activations: what one micro-batch saves for backward, op by op, and the loss transient.
+
+docs/memory.md §3. The template is Korthikanti et al. 2022, Eq. 1; the terms follow what HF's GPT-2
+and BERT with the default SDPA attention really save, measured on CPU by benchmarks/memory_harness.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import Dtype, Family, ModelConfig, TaskName, default_task
+
+DTYPE_BYTES = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2}
+"""Bytes per element of the module (parameters, gradients, activations) for each precision."""
+
+CUDA_MASK_BYTES = 1
+"""Dropout mask element on CUDA: ``native_dropout`` returns bool (§2.1, §2.8). On CPU the mask is a
+tensor of the compute dtype (§2.8, measured again by benchmarks/validate_memory_cpu.py)."""
+
+LOSS_BYTES_PER_LOGIT = 12
+"""Bytes per b·s·V logit element at the loss peak of HF's ForCausalLMLoss (§2.6): the fp32
+log_softmax output saved for backward (4), the nll grad flowing into it (4) and log_softmax's grad
+(4). §2.6 measured 14 with the model-output object alive and ~12 without; zerorun.train keeps only
+``.loss``, so the 16-bit logits are gone by then. Forward holds less (16-bit logits 2 + fp32 upcast 4
++ log_softmax 4 = 10)."""
+
+
+LN_STAT_BYTES = 4
+"""LayerNorm saves mean and rstd per token, fp32 on CUDA (2 per LN). Neglected by Eq. 1 (§2.1)."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of activations on one rank for one micro-batch (see ``activations``)."""
+
+    kernel: str
+    """Attention kernel assumed: sdpa-fused (flash / memory-efficient), sdpa-math (CPU fallback), eager."""
+    per_layer: int
+    """Saved for backward by one transformer layer, no recomputation."""
+    recompute_layer: int
+    """One layer's saved tensors while it is recomputed under checkpointing (no KV cache copies)."""
+    checkpoint_per_layer: int
+    """Kept per layer under full checkpointing: the layer input (§2.1 "2sbh" in 16-bit, §2.2)."""
+    outside_layers: int
+    """Embeddings and final LN / LM-head input / pooler, saved either way."""
+    working_set: int
+    """Activation gradients alive while one layer runs backward (not in Eq. 1; sized from the op graph)."""
+    logits_loss: int
+    """Logits + loss transient at the start of backward (§2.6)."""
+    num_layers: int
+    checkpointing: bool
+    outside_first: int = 0
+    """The part of ``outside_layers`` saved by the embeddings (a pipeline's first stage holds it)."""
+    in_flight: int = 1
+    """Micro-batches whose activations are alive at once (a pipeline stage's 1F1B depth; 1 without one)."""
+    boundary: int = 0
+    """Per in-flight micro-batch: the stage output a pipeline keeps for its backward (not on the last stage)."""
+    pipe_buffers: int = 0
+    """A pipeline stage's engine buffers that outlive the micro-batch (see ``_stage_view``)."""
+
+    @property
+    def saved(self) -> int:
+        """Saved for backward at the end of forward (the activations term of the loss phase)."""
+        per = self.checkpoint_per_layer if self.checkpointing else self.per_layer
+        return self.in_flight * (self.outside_layers + self.num_layers * per + self.boundary)
+
+
+def attention_kernel(accelerator: str, dropout: float) -> str:
+    """What HF's default ``attn_implementation="sdpa"`` runs (transformers 4.57.6 picks sdpa for GPT-2 and BERT).
+
+    CUDA: flash (16-bit) or memory-efficient (fp32) kernels; both support dropout and save q, k, v,
+    out and an fp32 log-sum-exp, never the a·s² matrices (§2.3; flash_attn_interface saves
+    ``q, k, v, out, softmax_lse, rng_state``). Not yet checked on a GPU (§7).
+    CPU: the flash kernel has no dropout, so training with dropout > 0 falls back to the math path,
+    which upcasts to fp32 and saves the s² tensors (§2.4 row "SDPA (dropout 0.1), CPU"; measured).
+    """
+    if accelerator == "cuda" or dropout == 0:
+        return "sdpa-fused"
+    return "sdpa-math"
+
+
+def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
+                checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
+                num_labels: int = 2) -> Activations:
+    """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§2.1).
+
+    Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
+    (LN inputs 2, QKV input 1, Q K V 3, projection input 1, fc1 input 1, GeLU input 4, fc2 input 4),
+    2 one-byte dropout masks, and a·s²·b·(2 + 1 + 2) for softmax, its dropout mask and output.
+    What HF's models actually save differs and is counted here op by op. benchmarks/validate_memory_cpu.py
+    checks sdpa-math, and sdpa-fused in its CPU form (the CPU flash kernel, used when dropout = 0);
+    the CUDA kernels and eager are not measured:
+
+    - GPT-2's default ``gelu_new`` is a Python tanh formula that saves x, tanh(·), 0.5x, 1+tanh:
+      4·I/h units instead of I/h (§2.4: +24·sbh at I = 4h in 16-bit).
+    - GPT-2 builds a DynamicCache in training (use_cache defaults to true): K and V are ``torch.cat``
+      copies, +2 units; with checkpointing HF turns the cache off.
+    - sdpa-fused: q, k, v (+ fp32 log-sum-exp 4·a·s·b); the kernel output *is* the projection input
+      (same storage), no s² terms, no attention-dropout mask (§2.3).
+    - sdpa-math (CPU, dropout > 0): fp32 copies of q, k, v (12 bytes per sbh element) and fp32 softmax,
+      dropout mask and dropout output: 12·a·s²·b (§2.4 measured 138·sbh at s=512, h=768: 42 + 12·8).
+    - eager: Eq. 1's attention core (+ the KV-cache copies for GPT-2). Not zerorun's default.
+    - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§2.8); none when dropout = 0.
+    - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
+    """
+    b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers
+    inner = m.intermediate_size or 4 * h
+    e = DTYPE_BYTES[Dtype(dtype)]
+    dropout = m.dropout > 0
+    mask = (CUDA_MASK_BYTES if accelerator == "cuda" else e) if dropout else 0
+    kernel = kernel or attention_kernel(accelerator, m.dropout)
+    gpt2 = Family(m.family) == Family.gpt2
+    lm = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)) == TaskName.causal_lm
+    sbh, s2 = s * b * h, a * s * s * b
+    r = inner / h  # MLP width in units of h
+
+    gelu_units = 4 * r if gpt2 else r  # gelu_new saves 4 tensors of the MLP width; erf GeLU saves its input
+    base_units = 4 + 1 + r + gelu_units  # LN1, LN2, QKV input, projection input; fc1 input; fc2 input; GeLU
+    ln_stats = 2 * 2 * s * b * LN_STAT_BYTES
+
+    def layer(cache: bool) -> int:
+        kv_copies = 2 if (gpt2 and cache) else 0
+        if kernel == "sdpa-fused":
+            core = e * (3 + kv_copies) * sbh + 4 * a * s * b
+        elif kernel == "sdpa-math":
+            core = 12 * sbh + 12 * s2
+        else:  # eager: softmax output, + its dropout mask and output when dropout is on
+            core = e * (3 + kv_copies) * sbh + (e + ((e + mask) if dropout else 0)) * s2
+        return int(e * base_units * sbh + core + 2 * mask * sbh + ln_stats)
+
+    per_layer = layer(cache=not checkpointing)
+    recompute = layer(cache=False)
+    if gpt2:
+        # embedding dropout mask; ln_f input + LM-head input (= ln_f output)
+        first = mask * sbh
+        outside = first + 2 * e * sbh + 2 * s * b * LN_STAT_BYTES
+        if checkpointing:
+            # Without the KV cache HF GPT-2 materializes a (b, 1, s, s) bool causal mask, which every
+            # checkpoint keeps as an input (measured on CPU). On CUDA the explicit mask rules out flash:
+            # the memory-efficient kernel saves it as an additive bias in the compute dtype (code-read,
+            # not checked on a GPU), one layer at a time during recomputation.
+            outside += b * s * s
+            if kernel == "sdpa-fused" and accelerator == "cuda":
+                recompute += b * s * s * e
+        logits = LOSS_BYTES_PER_LOGIT * b * s * (m.vocab_size if lm else num_labels)
+    else:
+        # embedding LN input + its dropout mask; the pooler / classification head reads a view of the
+        # last hidden states, which keeps the whole tensor
+        first = e * sbh + mask * sbh + 2 * s * b * LN_STAT_BYTES
+        outside = first + e * sbh
+        if kernel == "sdpa-fused" and accelerator == "cuda":
+            # A padding mask becomes one (b, 1, s, s) additive bias in the compute dtype, which CUDA's
+            # memory-efficient kernel saves (CPU kernels do not: measured). Code-read, not checked on a
+            # GPU; absent when a batch has no padding.
+            outside += b * s * s * e
+        logits = LOSS_BYTES_PER_LOGIT * b * num_labels
+    # Backward of one layer: the residual-stream grad plus the MLP grads beyond what is saved: one I-wide
+    # grad for erf GeLU (each node frees its saved input as it makes its grad), two through gelu_new's
+    # chain of elementwise ops. In attention one s² grad beyond the saved ones. Sized from CPU
+    # measurements (benchmarks/validate_memory_cpu.py "layer" column): two extra s² grads and two
+    # I-wide grads for BERT overestimated by 5-25%.
+    working = e * sbh + (2 if gpt2 else 1) * e * r * sbh
+    if kernel == "sdpa-math":
+        working = max(working, e * sbh + 4 * s2)
+    elif kernel == "eager":
+        working = max(working, e * sbh + e * s2)
+    return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
+                       checkpointing, outside_first=int(first))
+

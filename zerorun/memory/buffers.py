@@ -1,0 +1,145 @@
+"""§4 Buffers of the backward pass: gradient buckets, ZeRO-3's gathered parameters, gradients in flight,
+the tied-embedding and word-embedding gradient transients, ZeRO-0's all-reduce flatten.
+
+docs/memory.md §4. Each term names the DeepSpeed 0.19.8 code that allocates it; the transients were
+found by measuring real engines on CPU (benchmarks/memory_harness.py).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from ..config import Dtype, Plan, RunConfig
+from .activations import DTYPE_BYTES
+from .params import ParamBreakdown, breakdown
+
+TIED_EMBEDDING_COPIES = 3
+"""Tied input/output embedding: autograd sums the LM-head and embedding gradients, so old + new +
+sum = 3·V·h elements live at the end of backward (§3.6, measured)."""
+
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
+"""ZeRO-0 gradient all-reduce flattens grads into buckets of this many elements
+(deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE; ``allreduce_bucket`` → ``self.flatten``)."""
+
+FP64_NORM_BYTES = 8
+"""With optimizer offload, ZeRO-1/2/3 take each gradient's norm as ``grad.to(float64).norm(2)`` in the
+backward hook (deepspeed/runtime/zero/utils.py get_norm_dtype: fp64 wherever the device has it): a
+transient 8 bytes per element of the largest gradient (measured on CPU)."""
+
+
+@dataclass
+class BackwardBuffers:
+    """What the backward pass allocates beyond activations and model states, on one rank."""
+
+    buffers: List[Tuple[str, float]]
+    """Alive from the first bucket reduce to the end of backward (buckets, ZeRO-3 gathered params)."""
+    in_flight: List[Tuple[str, float]]
+    """ZeRO-2/3: a layer gradient not yet copied into its bucket."""
+    tied_pending: List[Tuple[str, float]]
+    """A tied LM head's gradient, held by autograd until the embedding's gradient arrives."""
+    notes: List[str] = field(default_factory=list)
+
+
+def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple) -> BackwardBuffers:
+    """``key``: the whole model's params.model_key (ZeRO-3 replays its module trace)."""
+    z, stage = cfg.zero, cfg.zero.stage
+    p = g = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    buffers: List[Tuple[str, float]] = []
+    notes: List[str] = []
+    # allgather_bucket_size allocates nothing in 0.19.8: all_gather_into_tensor writes into the flat
+    # 16-bit buffer in place (runtime/utils.py all_gather_dp_groups).
+    if stage in (1, 2) and z.contiguous_gradients:
+        # setup_buckets(): one IPG bucket in the module dtype, a second one with overlap_comm
+        buffers.append(("reduce buckets", plan.buckets.reduce_bucket_size * g * (2 if z.overlap_comm else 1)))
+    if stage == 3:
+        if z.contiguous_gradients:
+            buffers.append(("reduce buckets", plan.buckets.reduce_bucket_size * g))  # stage3.py IPG buffer
+        live = zero3_live_peak(key, plan.buckets.stage3_param_persistence_threshold, z.stage3_max_reuse_distance)
+        if plan.data_parallel_size == 1 and (not plan.offload_params or plan.world.accelerator == "cpu"):
+            # One rank: DeepSpeed does not gather (partition_parameters.py _no_gather_coalesced: param.data =
+            # ds_tensor.to(device), a copy only when the partition sits on the host and the rank on a GPU).
+            live = 0
+        buffers.append(("ZeRO-3 gathered params", live * p))
+        if live:
+            buffers.append(("ZeRO-3 prefetch bucket",
+                            min(plan.buckets.stage3_prefetch_bucket_size, z.stage3_max_live_parameters) * p))
+        if live > 0.5 * bd.total:
+            notes.append(f"ZeRO-3 keeps {live / bd.total:.0%} of the parameters gathered between forward and backward "
+                         f"(stage3_max_reuse_distance={z.stage3_max_reuse_distance:.0e}); a smaller reuse distance "
+                         "trades this memory for more all-gathers.")
+    # ZeRO-2/3: a layer parameter's grad exists until its hook copies it into the bucket. (The tied
+    # embedding's grad is the separate "tied-embedding grad": autograd holds it until both uses are summed.)
+    in_flight = [("gradient in flight", max(bd.layer_tensors + bd.head_tensors) * g)] if stage >= 2 else []
+    tied = [("tied-embedding grad (pending)", bd.tied_embedding * g)] if bd.tied_embedding else []
+    return BackwardBuffers(buffers, in_flight, tied, notes)
+
+
+def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
+    """End of backward, layer activations freed: the word embedding's dense gradient.
+
+    Tied (GPT-2): LM-head grad + embedding grad + their sum (§3.6). Untied (BERT): the new grad before
+    it is accumulated (measured: +V·h on top of the existing grads with gradient accumulation).
+    ZeRO-0/1 without accumulation: the untied grad *is* param.grad (in "gradients"); ZeRO-2/3 hold it
+    apart until it is copied into the partition. With optimizer offload DeepSpeed clones a gradient
+    larger than the reduce bucket and takes its norm in fp64 (stage_1_and_2.py
+    set_norm_for_param_grad_in_gpu, stage3.py: ``.to(get_norm_dtype()).norm(2)``): +8 bytes per element
+    next to the (cloned) grad, measured on CPU for ZeRO-1/2/3.
+    """
+    stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    word = bd.word_embedding
+    if bd.tied_embedding:
+        transient = TIED_EMBEDDING_COPIES * word * g
+    else:
+        # ZeRO-3 reduces a gradient larger than the bucket through reduce_scatter_coalesced, which
+        # flattens it into a second buffer (measured on CPU: 2·V·h·g).
+        copies = 2 if stage == 3 and not plan.offload_optimizer else 1
+        transient = copies * word * g if (stage >= 2 or plan.grad_accum_steps > 1) else 0
+    if plan.offload_optimizer:
+        own = 0 if (stage == 1 and not bd.tied_embedding) else word * g  # ZeRO-1: the grad is in "gradients"
+        transient = max(transient, own + word * FP64_NORM_BYTES)
+    return transient
+
+
+def zero0_flatten_bytes(cfg: RunConfig, bd: ParamBreakdown) -> int:
+    """engine.allreduce_bucket flattens grads in buckets of 5e8 elements before the all-reduce, on one
+    rank too (engine.py allreduce_gradients has no world-size check; measured on CPU)."""
+    return min(bd.total, ZERO0_ALLREDUCE_ELEMENTS + bd.largest_tensor) * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+
+
+@functools.lru_cache(maxsize=256)
+def zero3_live_peak(key: Tuple, threshold: int, reuse_distance: int) -> int:
+    """Peak elements of gathered (non-persistent) parameters during forward + backward under ZeRO-3.
+
+    Replays DeepSpeed's release rule (partitioned_param_coordinator.py ``__params_to_release``): after a
+    module runs, its parameters stay gathered if they are used again within ``stage3_max_reuse_distance``
+    elements of the modules that follow in the trace. With the default 1e9 a model under ~0.5B
+    parameters stays fully gathered after the first step (the "ZeRO-3 uses more than ZeRO-2" reports of
+    §5). Granularity here is one transformer layer; DeepSpeed traces leaf modules.
+    """
+    bd = breakdown(key)
+    big = lambda ts, tag: tuple((tag, i, n) for i, n in enumerate(ts) if n > threshold)  # noqa: E731
+    emb = big(bd.embedding_tensors, "emb")
+    layers = [tuple((f"L{l}", i, n) for (_, i, n) in big(bd.layer_tensors, "L")) for l in range(bd.num_layers)]
+    head = big(bd.head_tensors, "head")
+    forward: List[Tuple] = [emb, *layers, head]
+    if bd.tied_embedding:
+        forward.append(tuple(t for t in emb if t[2] == bd.tied_embedding)[:1])  # LM head reuses wte
+    trace = forward + forward[::-1]
+    sizes = [sum(n for (_, _, n) in blk) for blk in trace]
+    kept: Dict[Tuple[str, int], int] = {}
+    peak = 0
+    for t, blk in enumerate(trace):
+        live = dict(kept)
+        live.update({(tag, i): n for (tag, i, n) in blk})
+        peak = max(peak, sum(live.values()))
+        # Release this module's params unless reused within the distance (counted from the next module).
+        reused = set()
+        traversed = 0
+        for u in range(t + 1, len(trace)):
+            if traversed >= reuse_distance:
+                break
+            reused.update((tag, i) for (tag, i, _) in trace[u])
+            traversed += sizes[u]
+        kept = {k: n for k, n in live.items() if k not in {(tag, i) for (tag, i, _) in blk} or k in reused}
+    return peak

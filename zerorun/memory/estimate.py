@@ -1,0 +1,282 @@
+"""§5 The estimate: the phases of a training step, the peak over them, and what it is compared with.
+
+docs/memory.md §5. Not one sum but the largest of the moments a step goes through:
+
+    alloc_peak = max(init, loss, backward, embedding grad, all-reduce, optimizer step)
+    device     = CUDA context + NCCL + (1 + margin) · alloc_peak        (CUDA ranks)
+    device     = process runtime + alloc_peak + offloaded host state    (CPU ranks: the "device" is host RAM)
+
+Each phase lists what is alive at that moment: model states (§2), activations (§3), backward
+buffers (§4); a pipeline is estimated stage by stage (§6) and judged by its worst stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+from ..config import Dtype, Family, OffloadDevice, Plan, RunConfig
+from ..hardware import GIB, Hardware
+from .activations import DTYPE_BYTES, Activations, activations
+from .buffers import backward_buffers, embedding_grad_transient, zero0_flatten_bytes
+from .params import ParamBreakdown, model_key, param_breakdown
+from .stages import pipeline_stages, stage_view
+from .states import ModelStates, model_states, phase, step_transient
+
+Phase = "OrderedDict[str, int]"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Terms outside the PyTorch allocator and other priors that a GPU "receipt" should refresh (§5, §7)."""
+
+    cuda_context_bytes: int = GIB // 2
+    """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5)."""
+    nccl_bytes: int = 1 * GIB
+    """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§3, §5)."""
+    allocator_margin: float = 0.10
+    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§3, §5)."""
+    cpu_process_bytes: int = GIB // 2
+    """Host RSS of one rank's interpreter + torch + transformers + deepspeed before any tensor:
+    0.41 GiB measured on this machine (torch 2.13 CPU); rounded up. Counted on CPU ranks (their
+    device memory is host RAM) and in host RAM per node on CUDA ranks."""
+
+
+DEFAULT_CALIBRATION = Calibration()
+OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime")
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass
+class Estimate:
+    """Per-rank peak memory of one configuration. All sizes in bytes.
+
+    ``components`` is the breakdown of the winning phase (they sum to ``per_rank_peak_bytes``);
+    ``phases`` holds every phase's breakdown. On CPU ranks the "device" is host RAM (``device`` says so)
+    and the offloaded host state is part of each phase.
+    """
+
+    components: "OrderedDict[str, int]"
+    per_rank_peak_bytes: int
+    device_capacity_bytes: int
+    host_bytes_per_node: int
+    nvme_bytes: int
+    fits: bool
+    device: str = "cuda"
+    peak_phase: str = ""
+    phases: Dict[str, "OrderedDict[str, int]"] = field(default_factory=dict)
+    host_components: "OrderedDict[str, int]" = field(default_factory=OrderedDict)
+    """Host RAM of one rank (offloaded state, pinned buffers, the rank's process); per node = × ranks per node."""
+    host_capacity_bytes: int = 0
+    fits_device: bool = True
+    fits_host: bool = True
+    model_state_bytes: int = 0
+    """Parameters + gradients + fp32 master + optimizer states held on the device per rank (ZeRO §1.1)."""
+    params: int = 0
+    summary: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    stages: List[Dict[str, Any]] = field(default_factory=list)
+    """parallel=pipeline: each stage's layers, 1F1B depth, peak and breakdown (the estimate is the worst one)."""
+
+    def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
+        """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
+        allocator margin, process runtime) only with ``overheads=True``."""
+        items = [kv for kv in self.components.items() if overheads or kv[0] not in OVERHEADS]
+        return sorted(items, key=lambda kv: -kv[1])[:n]
+
+    def to_json(self) -> Dict[str, Any]:
+        """What goes into the run dir's estimate.json."""
+        return {
+            "device": self.device,
+            "per_rank_peak_bytes": self.per_rank_peak_bytes,
+            "per_rank_peak_gib": round(self.per_rank_peak_bytes / GIB, 3),
+            "device_capacity_bytes": self.device_capacity_bytes,
+            "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "peak_phase": self.peak_phase,
+            "components": dict(self.components),
+            "phases": {k: dict(v) for k, v in self.phases.items()},
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "host_components_per_rank": dict(self.host_components),
+            "nvme_bytes": self.nvme_bytes,
+            "model_state_bytes": self.model_state_bytes,
+            "params": self.params,
+            "config": dict(self.summary),
+            "notes": list(self.notes),
+            **({"pipeline_stages": list(self.stages)} if self.stages else {}),
+            "source": "zerorun.memory (memory.md §0-§3); not yet calibrated on a GPU",
+        }
+
+
+def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION) -> Estimate:
+    """Per-rank peak memory of ``cfg`` as ``plan`` lays it out on ``hw``: phases, components, fits.
+
+    Pure arithmetic on the config. With ``parallel=pipeline`` each stage is estimated with its own
+    layers and 1F1B depth; the result is the stage with the highest peak, and ``stages`` lists them all.
+    """
+    labels = cfg.task.num_labels
+    bd = param_breakdown(cfg.model, plan.task, labels)
+    key = model_key(cfg.model, plan.task, labels)
+    act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
+                      plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels)
+    if not plan.pipeline:
+        return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
+    stages = pipeline_stages(cfg, plan)
+    last = len(stages) - 1
+    per_stage = [rank_estimate(cfg, plan, hw, cal, *stage_view(cfg, bd, act, st, st.index == last), bd.total, key)
+                 for st in stages]
+    worst = max(range(len(stages)), key=lambda i: per_stage[i].per_rank_peak_bytes)
+    est = per_stage[worst]
+    world = plan.world
+    # Ranks are laid out stage-major (PipeDataParallelTopology): on one node every stage's ranks share the
+    # host; across nodes, count the heaviest stage on every rank of a node (an upper bound).
+    if world.nnodes == 1:
+        host_node = sum(e.host_bytes_per_node // max(1, world.nproc_per_node) * plan.data_parallel_size
+                        for e in per_stage)
+    else:
+        host_node = max(e.host_bytes_per_node for e in per_stage)
+    fits_host = est.host_capacity_bytes <= 0 or host_node <= est.host_capacity_bytes
+    fits_device = all(e.fits_device for e in per_stage)
+    summary = dict(est.summary, params=bd.total, pipeline_stages=len(stages), peak_stage=worst)
+    notes = est.notes + [f"pipeline: stage {worst} of {len(stages)} has the highest peak ({gib(est.per_rank_peak_bytes)}"
+                         f"; it holds {stages[worst].in_flight} micro-batch(es) in flight and "
+                         f"{stages[worst].blocks} of {bd.num_layers} layers)."]
+    return dataclasses.replace(
+        est, host_bytes_per_node=int(host_node), fits_host=fits_host, fits_device=fits_device,
+        fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
+        stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, peak_phase=e.peak_phase,
+                     model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
+                     phases={k: dict(v) for k, v in e.phases.items()})
+                for st, e in zip(stages, per_stage)])
+
+
+def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
+                  act: Activations, built_params: int, key: Tuple) -> Estimate:
+    """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
+    or one pipeline stage); ``built_params``: what build_model() makes on every rank first (the whole
+    model); ``key``: the whole model's params.model_key."""
+    states = model_states(cfg, plan, bd)
+    bwd = backward_buffers(cfg, plan, bd, key)
+    phases = step_phases(cfg, plan, bd, act, states, bwd)
+    host_steady = phase(states.host)
+    if plan.world.accelerator == "cpu":
+        # The device is host RAM: offloaded state shares it, and the fp32 build is an init phase.
+        for name in phases:
+            phases[name] = phase([*phases[name].items(), *host_steady.items()])
+        # build_model() makes fp32 weights; DeepSpeed casts them in place, one tensor at a time.
+        phases["init"] = phase([("fp32 model as built", built_params * 4), ("buffers", bd.buffer_bytes)])
+        phases.move_to_end("init", last=False)
+    return against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
+
+
+def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations, states: ModelStates,
+                bwd) -> "OrderedDict[str, Phase]":
+    """The moments of one training step on the device, each the full list of what is alive then."""
+    stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    part, persistent = states.partition, states.device
+    step_states = persistent
+    if stage == 1:
+        # ZeRO-1 frees the full param.grad once they are copied into this rank's partition, or, with
+        # offload, into the host fp32 buffer (measured).
+        step_states = OrderedDict(persistent)
+        step_states.pop("gradients", None)
+        if not plan.offload_optimizer:
+            step_states["gradients"] = part * g
+    # Gradients alive before this micro-step's backward: none on the first micro-step of an optimizer step
+    # (DeepSpeed sets them to None at the step), so none at all without accumulation. ZeRO-3's flat
+    # gradient partition is allocated once and stays; offloaded host buffers stay. ZeRO-2's partition is
+    # allocated at the first bucket reduce, so it exists again by the time the last layer runs backward.
+    if plan.grad_accum_steps > 1 or stage == 3:
+        fwd_states = bwd_states = persistent
+    else:
+        fwd_states = phase((k, v) for k, v in persistent.items() if k != "gradients")
+        bwd_states = phase([*fwd_states.items(),
+                            ("gradients", part * g if stage == 2 and not plan.offload_optimizer else 0)])
+
+    acts = act.saved
+    phases: "OrderedDict[str, Phase]" = OrderedDict()
+    if stage == 3 and not cfg.model.pretrained:
+        # zerorun.train builds random-init models whole (no zero.Init): the engine casts the module and
+        # moves it to the device before ZeRO-3 partitions it (engine.py ``_configure_distributed_model``).
+        phases["init"] = phase([("whole model before partitioning", bd.total * g), ("buffers", bd.buffer_bytes)])
+    # Start of backward (log_softmax backward): every saved activation + the LM loss transient. The LM
+    # head's weight grad comes only after this, when the logits grads are already freed (measured).
+    phases["loss"] = phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
+                            *bwd.buffers])
+    # Backward through the last layer (recomputed under checkpointing): its grads' working set.
+    layer_extra = [("activations", acts + (act.recompute_layer if act.checkpointing else 0)),
+                   ("activation-grad working set", act.working_set)]
+    phases["backward"] = phase([*bwd_states.items(), *layer_extra, *bwd.tied_pending, *bwd.in_flight,
+                                *bwd.buffers])
+    if bd.word_embedding:
+        # A pipeline's first stage still holds its other in-flight micro-batches here.
+        others = act.saved - act.saved // act.in_flight
+        phases["embedding grad"] = phase([*persistent.items(), ("activations", act.outside_layers + others),
+                                          ("embedding grad transient", embedding_grad_transient(cfg, plan, bd)),
+                                          *bwd.buffers])
+    if stage == 0:
+        phases["all-reduce"] = phase([*persistent.items(), ("all-reduce flatten buffer", zero0_flatten_bytes(cfg, bd))])
+    phases["optimizer step"] = phase([*step_states.items(),
+                                      ("optimizer-step transient", step_transient(cfg, plan, bd, part))])
+    if act.pipe_buffers:  # allocated by the first micro-batch, never freed
+        for name in phases:
+            if name != "init":
+                phases[name] = phase([*phases[name].items(), ("pipeline buffers", act.pipe_buffers)])
+    return phases
+
+
+def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
+                     act: Activations, states: ModelStates, phases: "OrderedDict[str, Phase]", notes: List[str],
+                     built_params: int) -> Estimate:
+    """The peak phase, the terms outside the allocator, and whether the rank and the node's host RAM fit."""
+    m, tr, world = cfg.model, cfg.trainer, plan.world
+    host_steady = phase(states.host)
+    peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
+    alloc_peak = sum(phases[peak_phase].values())
+    comps = OrderedDict(sorted(phases[peak_phase].items(), key=lambda kv: -kv[1]))
+    host_components = phase([*host_steady.items(), ("process runtime", cal.cpu_process_bytes)])
+    if world.accelerator == "cpu":
+        comps["process runtime"] = cal.cpu_process_bytes
+        per_rank = alloc_peak + cal.cpu_process_bytes
+        capacity = hw.host_mem_bytes // max(1, world.nproc_per_node)
+        host_node = per_rank * world.nproc_per_node
+        device = "cpu (host RAM)"
+    else:
+        comps["allocator margin"] = int(cal.allocator_margin * alloc_peak)
+        comps["CUDA context"] = cal.cuda_context_bytes
+        if world.size > 1:
+            comps["NCCL buffers"] = cal.nccl_bytes
+        per_rank = sum(comps.values())
+        capacity = hw.gpu_mem_bytes
+        # build_model() makes fp32 weights on the host on every rank before DeepSpeed takes them
+        host_init = built_params * 4 + bd.buffer_bytes
+        host_node = (max(sum(host_steady.values()), host_init) + cal.cpu_process_bytes) * world.nproc_per_node
+        device = "cuda"
+    host_cap = hw.host_mem_bytes
+    fits_device = capacity > 0 and per_rank <= capacity
+    fits_host = host_cap <= 0 or host_node <= host_cap
+    notes = list(notes)
+    if cfg.data.seq_len > m.max_positions:
+        notes.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions}.")
+    summary = {
+        "model": m.name, "family": Family(m.family).value, "task": plan.task.value, "params": bd.total,
+        "zero_stage": cfg.zero.stage, "offload": OffloadDevice(cfg.offload.device).value,
+        "offload_params": plan.offload_params, "precision": Dtype(cfg.precision.dtype).value,
+        "micro_batch_size": tr.micro_batch_size, "seq_len": cfg.data.seq_len,
+        "activation_checkpointing": tr.activation_checkpointing, "grad_accum_steps": plan.grad_accum_steps,
+        "global_batch_size": plan.global_batch_size, "data_parallel_size": max(1, plan.data_parallel_size),
+        "ranks_per_node": world.nproc_per_node, "nodes": world.nnodes, "accelerator": world.accelerator,
+        "attention_kernel": act.kernel, "buckets": plan.buckets.to_json(), "overlap_comm": cfg.zero.overlap_comm,
+    }
+    return Estimate(components=comps, per_rank_peak_bytes=int(per_rank), device_capacity_bytes=int(capacity),
+                    host_bytes_per_node=int(host_node), nvme_bytes=int(states.nvme * world.nproc_per_node),
+                    fits=fits_device and fits_host, device=device, peak_phase=peak_phase, phases=dict(phases),
+                    host_components=host_components, host_capacity_bytes=int(host_cap), fits_device=fits_device,
+                    fits_host=fits_host, model_state_bytes=int(states.model_state_bytes), params=bd.total,
+                    summary=summary, notes=notes)

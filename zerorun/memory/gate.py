@@ -1,0 +1,267 @@
+"""§7 The gate and autofit: refuse what will not fit, or apply the fastest config that does.
+
+docs/memory.md §7. Autofit walks the layouts of the rule table (zerorun.config.rules) from the
+cheapest change to the most expensive and takes the first that fits; the estimate table shows the
+same layouts side by side.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+from ..config import (Dtype, GateMode, OffloadDevice, ParallelMode, Plan, RunConfig, UserError, World, bucket_sizes,
+                      data_parallel_size, layouts, make_plan, params_offloaded)
+from ..hardware import Hardware
+from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+    why: str
+
+    def override(self) -> str:
+        return _override(self.key, self.new)
+
+
+@dataclass
+class GateDecision:
+    """What the memory gate decided. ``cfg`` is what to launch (changed only by autofit)."""
+
+    ok: bool
+    mode: GateMode
+    cfg: RunConfig
+    estimate: Estimate
+    """The estimate of ``cfg`` (the original config when nothing changed)."""
+    original: Estimate
+    changes: List[Change] = field(default_factory=list)
+    message: str = ""
+    warning: Optional[str] = None
+    suggestion: Optional[List[str]] = None
+    """Hydra overrides of a config that fits (strict/warn refusals), if one exists."""
+
+    @property
+    def overrides(self) -> List[str]:
+        return [c.override() for c in self.changes]
+
+
+def _override(key: str, value: Any) -> str:
+    if key == "zero.stage":
+        return f"zero=stage{value}"
+    if key == "offload.device":
+        return f"offload={value.value if isinstance(value, OffloadDevice) else value}"
+    if isinstance(value, bool):
+        return f"{key}={'true' if value else 'false'}"
+    if value is None:
+        return f"{key}=null"
+    return f"{key}={value}"
+
+
+
+
+
+
+    def refusal(self) -> UserError:
+        """The refusal as the one user-error type (key "gate")."""
+        return UserError(f"memory: {self.message}", key="gate", value=self.mode.value)
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    micro: int
+    ckpt: bool
+    small_buckets: bool
+    stage: int
+    offload: OffloadDevice
+    params: Optional[bool]
+
+
+def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple[RunConfig, List[Change]]:
+    """``cfg`` with the knobs set (dataclasses.replace on the nested configs) and the list of changes."""
+    tr, z, off = cfg.trainer, cfg.zero, cfg.offload
+    changes: List[Change] = []
+    new_tr, new_z, new_off = tr, z, off
+    if k.micro != tr.micro_batch_size:
+        accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
+        changes.append(Change("trainer.micro_batch_size", tr.micro_batch_size, k.micro,
+                              f"activations and logits scale with the micro-batch; gradient accumulation "
+                              f"{accum} keeps the global batch at {pinned_global}"))
+        new_tr = dataclasses.replace(new_tr, micro_batch_size=k.micro)
+        if tr.global_batch_size != pinned_global:
+            changes.append(Change("trainer.global_batch_size", tr.global_batch_size, pinned_global,
+                                  "pinned so the global batch stays the same with the smaller micro-batch"))
+            new_tr = dataclasses.replace(new_tr, global_batch_size=pinned_global)
+    if k.ckpt != tr.activation_checkpointing:
+        changes.append(Change("trainer.activation_checkpointing", tr.activation_checkpointing, True,
+                              "keeps one input per layer instead of all its activations (~1/3 more compute)"))
+        new_tr = dataclasses.replace(new_tr, activation_checkpointing=True)
+    if k.small_buckets:
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            if getattr(z, key) is not None:
+                changes.append(Change(f"zero.{key}", getattr(z, key), None, "hidden²-sized buckets (HF's auto size)"))
+        if z.overlap_comm:
+            changes.append(Change("zero.overlap_comm", True, False, "overlap_comm doubles the reduce bucket"))
+        new_z = dataclasses.replace(new_z, reduce_bucket_size=None, allgather_bucket_size=None,
+                                    stage3_prefetch_bucket_size=None, overlap_comm=False)
+    if k.stage != z.stage:
+        changes.append(Change("zero.stage", z.stage, k.stage,
+                              {1: "partitions optimizer states", 2: "partitions optimizer states and gradients",
+                               3: "partitions parameters too"}[k.stage]
+                              + f" over {data_parallel_size(cfg, world)} ranks"))
+        new_z = dataclasses.replace(new_z, stage=k.stage)
+    if k.offload != off.device:
+        changes.append(Change("offload.device", off.device, k.offload,
+                              "optimizer states and their step move to host RAM (CPU Adam)"))
+        new_off = dataclasses.replace(new_off, device=k.offload)
+    if k.params != off.params:
+        why = ("parameters move to host RAM as well" if k.params
+               else "offload the optimizer only; parameters stay on the GPU")
+        changes.append(Change("offload.params", off.params, k.params, why))
+        new_off = dataclasses.replace(new_off, params=k.params)
+    new_par = cfg.parallel
+    if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
+        accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
+        changes.append(Change("parallel.micro_batches", cfg.parallel.micro_batches, accum,
+                              "the pipeline streams that many smaller micro-batches per step"))
+        new_par = dataclasses.replace(new_par, micro_batches=accum)
+    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par)
+    return new, changes
+
+
+
+def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs]:
+    """Every config autofit may choose, fastest first.
+
+    Preference (least significant first): a smaller micro-batch with more accumulation, activation
+    checkpointing, smaller buckets, a higher ZeRO stage, optimizer offload to CPU, parameter offload.
+    A later knob is used only when no combination of the earlier ones fits, and then the earlier ones
+    are tried again from the fastest (so ZeRO-2 without checkpointing beats ZeRO-2 with it).
+    Nothing the user chose is undone (stage, offload device, checkpointing only go up); autofit never
+    picks NVMe by itself (it needs a disk path and libaio).
+    """
+    tr, z, off = cfg.trainer, cfg.zero, cfg.offload
+    dp = data_parallel_size(cfg, world)
+    per_rank = pinned_global // dp if pinned_global % dp == 0 else tr.micro_batch_size
+    micros = sorted({d for d in range(1, tr.micro_batch_size + 1)
+                     if per_rank % d == 0 and pinned_global % (d * dp) == 0} | {tr.micro_batch_size}, reverse=True)
+    default = dataclasses.replace(z, reduce_bucket_size=None, allgather_bucket_size=None,
+                                  stage3_prefetch_bucket_size=None, overlap_comm=False)
+    shrinkable = bucket_sizes(dataclasses.replace(cfg, zero=default)) != bucket_sizes(cfg) or z.overlap_comm
+    user_device = OffloadDevice(off.device)
+    out = []
+    for layout in layouts(cfg.parallel.mode):
+        if layout.stage < z.stage:
+            continue
+        if user_device == OffloadDevice.none and layout.device == OffloadDevice.nvme:
+            continue
+        if user_device != OffloadDevice.none and layout.device != user_device:
+            continue
+        tier = 0 if layout.device == OffloadDevice.none else (2 if layout.params else 1)
+        # Keep the user's offload.params setting unless this layout resolves it differently.
+        same = params_offloaded(layout.stage, layout.device, off.params) == layout.params
+        params = off.params if same else layout.params
+        for small in ([False, True] if shrinkable else [False]):
+            for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
+                for micro in micros:
+                    key = (tier == 2, tier >= 1, layout.stage, small, ckpt, -micro)
+                    out.append((key, _Knobs(micro, ckpt, small, layout.stage, layout.device, params)))
+    out.sort(key=lambda kv: kv[0])
+    return [k for _, k in out]
+
+
+def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
+            cal: Calibration = DEFAULT_CALIBRATION) -> Optional[Tuple[RunConfig, Estimate, List[Change]]]:
+    """The fastest config that fits (see ``_candidates`` for the order), its estimate and the changes;
+    None if nothing zerorun can change fits. ``global_batch_size`` stays fixed (pinned to micro × ranks
+    when it was unset)."""
+    pinned = plan.global_batch_size
+    for knobs in _candidates(cfg, plan.world, pinned):
+        new, changes = _apply(cfg, plan.world, knobs, pinned)
+        est = estimate(new, make_plan(new, plan.world), hw, cal=cal)
+        if est.fits:
+            return new, est, changes
+    return None
+
+
+def _describe(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
+    tr = cfg.trainer
+    off = "offload " + OffloadDevice(cfg.offload.device).value + (" (+params)" if plan.offload_params else "")
+    return (f"{cfg.model.name} ZeRO-{cfg.zero.stage} {off} {Dtype(cfg.precision.dtype).value} "
+            f"micro {tr.micro_batch_size} × seq {cfg.data.seq_len}"
+            f"{' + checkpointing' if tr.activation_checkpointing else ''} on {plan.world.size} rank(s)"
+            + (f", pipeline stage {est.summary['peak_stage']} of {len(est.stages)} "
+               f"({est.stages[est.summary['peak_stage']]['in_flight_micro_batches']} micro-batch(es) in flight)"
+               if est.stages else ""))
+
+
+def _shortfall(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
+    unit = "GPU" if est.device == "cuda" else "rank (host RAM / ranks per node)"
+    parts = []
+    if not est.fits_device:
+        top = ", ".join(f"{name} {gib(v)}" for name, v in est.top(3))
+        parts.append(f"{_describe(cfg, plan, est)} needs {gib(est.per_rank_peak_bytes)} per {unit} "
+                     f"(peak in the {est.peak_phase} phase) but has {gib(est.device_capacity_bytes)}. "
+                     f"Biggest: {top}.")
+    if not est.fits_host:
+        parts.append(f"Host RAM per node: needs {gib(est.host_bytes_per_node)}, has {gib(est.host_capacity_bytes)}.")
+    return " ".join(parts)
+
+
+def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = None, *,
+         cal: Calibration = DEFAULT_CALIBRATION) -> GateDecision:
+    """The memory gate before launch. ``mode`` defaults to ``cfg.gate``.
+
+    fits → ok. Otherwise strict → refuse (the message names the top consumers, the capacity and
+    Hydra overrides of a config that fits); warn → ok with that message as a warning; autofit → ok
+    with the fastest config that fits (``cfg`` and ``changes``), or refuse if none does; off → ok,
+    the estimate is only recorded.
+    """
+    mode = GateMode(mode if mode is not None else cfg.gate)
+    est = estimate(cfg, plan, hw, cal=cal)
+    if mode == GateMode.off:
+        return GateDecision(True, mode, cfg, est, est, message="memory gate off: estimate recorded only.")
+    if est.fits:
+        unit = "GPU" if est.device == "cuda" else "rank"
+        return GateDecision(True, mode, cfg, est, est,
+                            message=f"fits: {gib(est.per_rank_peak_bytes)} of {gib(est.device_capacity_bytes)} "
+                                    f"per {unit} (peak in the {est.peak_phase} phase).")
+    found = autofit(cfg, plan, hw, cal=cal)
+    shortfall = _shortfall(cfg, plan, est)
+    if found is None:
+        if est.fits_device:  # only host RAM is short: nothing on the GPU side helps
+            fix = (f"every rank builds the fp32 model ({gib(4 * est.params)}) on the host before DeepSpeed takes it, "
+                   "and offloaded state lives there too: fewer ranks per node (launcher.nproc_per_node), more nodes, "
+                   "or a host with more RAM (hardware.host_mem_gib when planning).")
+        else:
+            fix = (f"no micro-batch, checkpointing, bucket, ZeRO stage or offload setting fits on {plan.world.size} "
+                   "rank(s): add GPUs/nodes (launcher.nnodes, launcher.nproc_per_node), use larger GPUs, or a "
+                   "shorter data.seq_len.")
+        msg = f"{shortfall} Fix: {fix}"
+        return GateDecision(mode == GateMode.warn, mode, cfg, est, est, message=msg,
+                            warning=msg if mode == GateMode.warn else None)
+    new_cfg, new_est, changes = found
+    overrides = [c.override() for c in changes]
+    if mode == GateMode.autofit:
+        why = "; ".join(f"{c.override()} ({c.why})" for c in changes)
+        msg = (f"{shortfall} autofit: {' '.join(overrides)} → {gib(new_est.per_rank_peak_bytes)} of "
+               f"{gib(new_est.device_capacity_bytes)}. Why: {why}.")
+        return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides)
+    msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}): {' '.join(overrides)} — "
+           "add these overrides, or gate=autofit to apply them, or gate=warn to launch anyway.")
+    if mode == GateMode.warn:
+        return GateDecision(True, mode, cfg, est, est, message=msg, warning=msg, suggestion=overrides)
+    return GateDecision(False, mode, cfg, est, est, message=msg, suggestion=overrides)
+
+
+def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
+    """The estimate table's rows: ``cfg`` at every layout of the rule table for its parallel mode, labelled."""
+    rows = []
+    for layout in layouts(cfg.parallel.mode):
+        params = layout.params if layout.stage == 3 and layout.device != OffloadDevice.none else None
+        z = dataclasses.replace(cfg.zero, stage=layout.stage)
+        o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
+        rows.append((f"ZeRO-{layout.stage}  offload {layout.label}", dataclasses.replace(cfg, zero=z, offload=o)))
+    return rows

@@ -1,0 +1,117 @@
+"""§1 Parameters: the tensors of the model zerorun builds, by region, without building it.
+
+docs/memory.md §1. Exact to the element against transformers' own models (tests build them on the
+meta device): GPT2LMHeadModel, Bert/RobertaForSequenceClassification, GPT2ForSequenceClassification.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from ..config import Family, ModelConfig, TaskName, default_task
+
+
+@dataclass(frozen=True)
+class ParamBreakdown:
+    """Parameter tensors of the model zerorun builds, by region (numel per tensor).
+
+    ``total`` equals ``sum(p.numel() for p in model.parameters())`` of the transformers model
+    (tied weights counted once, as DeepSpeed's ``data_ptr`` count does: §Notation).
+    """
+
+    family: Family
+    embedding_tensors: Tuple[int, ...]
+    layer_tensors: Tuple[int, ...]
+    num_layers: int
+    head_tensors: Tuple[int, ...]
+    tied_embedding: int
+    """Elements of the input embedding that the LM head reuses (0 when untied)."""
+    buffer_bytes: int
+    """Module buffers (GPT-2's per-layer causal mask, BERT's position/type ids)."""
+    head_word: int = 0
+    """Pipeline last stage: elements of its own copy of the tied LM head (tied across stages, not here)."""
+
+    @property
+    def word_embedding(self) -> int:
+        """Elements of the V×h matrix on this rank whose dense gradient ends the backward pass (0: none)."""
+        return self.tied_embedding or self.head_word or (self.embedding_tensors[0] if self.embedding_tensors else 0)
+
+    @property
+    def embeddings(self) -> int:
+        return sum(self.embedding_tensors)
+
+    @property
+    def per_layer(self) -> int:
+        return sum(self.layer_tensors)
+
+    @property
+    def head(self) -> int:
+        return sum(self.head_tensors)
+
+    @property
+    def total(self) -> int:
+        return self.embeddings + self.num_layers * self.per_layer + self.head
+
+    @property
+    def largest_tensor(self) -> int:
+        return max(self.embedding_tensors + (self.layer_tensors if self.num_layers else ()) + self.head_tensors,
+                   default=0)
+
+    def persistent(self, threshold: int) -> int:
+        """ZeRO-3 keeps parameters with numel ≤ threshold whole on every rank
+        (parameter_offload.py ``mark_persistent_parameters``)."""
+        small = lambda ts: sum(t for t in ts if t <= threshold)  # noqa: E731
+        return small(self.embedding_tensors) + self.num_layers * small(self.layer_tensors) + small(self.head_tensors)
+
+    def to_json(self) -> Dict[str, int]:
+        return {"total": self.total, "embeddings": self.embeddings, "per_layer": self.per_layer,
+                "num_layers": self.num_layers, "head": self.head, "tied_embedding": self.tied_embedding,
+                "buffer_bytes": self.buffer_bytes}
+
+
+
+def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> Tuple:
+    """What the parameter layout depends on (a hashable cache key)."""
+    task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
+    return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
+            m.max_positions, m.type_vocab_size, num_labels)
+
+
+@functools.lru_cache(maxsize=256)
+def breakdown(key: Tuple) -> ParamBreakdown:
+    family, task, L, h, _a, inner, V, P, T, labels = key
+    inner = inner or 4 * h  # GPT2Config n_inner=None means 4h
+    if family == Family.gpt2:
+        # GPT2Model: wte, wpe; per block ln_1, c_attn (h×3h), c_proj, ln_2, c_fc (h×I), c_proj (I×h); ln_f.
+        layer = (h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * inner, inner, inner * h, h)
+        # Buffers: per block a bool causal mask of max_positions² and a float scalar (modeling_gpt2.py).
+        buffers = L * (P * P + 4)
+        if task == TaskName.causal_lm:  # GPT2LMHeadModel: lm_head tied to wte (no new tensor)
+            return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h), tied_embedding=V * h, buffer_bytes=buffers)
+        # GPT2ForSequenceClassification: score = Linear(h, num_labels, bias=False)
+        return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h, labels * h), tied_embedding=0,
+                              buffer_bytes=buffers)
+    if task != TaskName.sequence_classification:
+        raise ValueError(f"{family.value} with task {task.value}: zerorun trains encoders for sequence classification "
+                         "only (config.check refuses this combination).")
+    # Bert/RobertaForSequenceClassification: word/position/token-type embeddings + LN; per layer q, k, v,
+    # attention output dense + LN, intermediate dense, output dense + LN. BERT: pooler dense + classifier;
+    # RoBERTa: no pooler, a classification head of dense (h×h) + out_proj.
+    layer = (h * h, h, h * h, h, h * h, h, h * h, h, h, h, h * inner, inner, inner * h, h, h, h)
+    head = (h * h, h, labels * h, labels)
+    return ParamBreakdown(family, (V * h, P * h, T * h, h, h), layer, L, head, tied_embedding=0,
+                          buffer_bytes=2 * P * 8)  # position_ids + token_type_ids buffers, int64
+
+
+def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> ParamBreakdown:
+    """Parameter tensors of ``m`` for ``task`` (None: the family's own) by region, exactly as transformers
+    builds the model."""
+    return breakdown(model_key(m, task, num_labels))
+
+
+def count_params(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> int:
+    """Unique parameters (a tied LM head counted once) of the model zerorun builds for ``m`` and ``task``:
+    GPT2LMHeadModel, Bert/RobertaForSequenceClassification (GPT2ForSequenceClassification too)."""
+    return param_breakdown(m, task, num_labels).total
+

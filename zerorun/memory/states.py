@@ -1,0 +1,175 @@
+"""§2 Model states: where each byte of parameters, gradients, fp32 masters and optimizer states lives.
+
+docs/memory.md §2. The ZeRO paper's 2Ψ + 2Ψ + KΨ partitioned per stage (§2.1), corrected to what
+DeepSpeed 0.19.8 really allocates (§2.2; the source file of each term is named next to it), and split
+by place: the device (GPU, or host RAM on CPU ranks), pinned host RAM (offload) and NVMe.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, List, Tuple
+
+from ..config import Dtype, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from .activations import DTYPE_BYTES
+from .params import ParamBreakdown
+
+MASTER_BYTES = 4
+"""fp32 master copy per parameter (§2.1: the 4Ψ of K=12). DeepSpeed ZeRO-1/2/3 clone it even in
+fp32 training (stage_1_and_2.py: ``weights_partition = ....clone().to(master dtype)``; stage3.py
+``_create_fp32_partitions``: ``converted.clone()``), so it exists for every ZeRO stage ≥ 1."""
+
+ADAM_STATE_BYTES = 8
+"""Adam momentum + variance in fp32 per parameter (§2.1: the 8Ψ of K=12)."""
+
+DS_SUB_GROUP_SIZE = 1_000_000_000
+"""ZeRO-3 ``sub_group_size`` default (deepspeed/runtime/zero/config.py); zerorun does not set it."""
+
+NVME_PARAM_BUFFERS = (5, 100_000_000)
+"""ZeRO-3 NVMe parameter swap: ``buffer_count`` × ``buffer_size`` elements of pinned host memory
+(deepspeed/runtime/zero/offload_config.py defaults; partitioned_param_swapper.py allocates them)."""
+
+NVME_OPTIMIZER_BUFFERS = 4
+"""NVMe optimizer swap: ``buffer_count`` pinned fp32 buffers of the largest sub-group
+(offload_config.py default 4; optimizer_utils.py SwapBufferManager)."""
+
+STATE_NAMES = ("parameters", "persistent parameters", "gradients", "fp32 master copies", "optimizer states")
+"""The device entries that are model states (ZeRO §2.1); the rest of a phase is buffers and activations."""
+
+
+def phase(items: Iterable[Tuple[str, float]]) -> "OrderedDict[str, int]":
+    """A named breakdown: entries with the same name add up, zero entries drop out."""
+    out: "OrderedDict[str, int]" = OrderedDict()
+    for k, v in items:
+        v = int(v)
+        if v > 0:
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass
+class ModelStates:
+    """Bytes by name on one rank: on its device through every phase, in host RAM, on NVMe."""
+
+    device: "OrderedDict[str, int]"
+    host: List[Tuple[str, float]] = field(default_factory=list)
+    nvme: int = 0
+    partition: int = 0
+    """Elements of this rank's ZeRO partition (DeepSpeed pads to equal partitions)."""
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(v for k, v in self.device.items() if k in STATE_NAMES)
+
+
+def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
+    """Where the model states of ``bd`` live for the config's ZeRO stage, precision and offload."""
+    dtype = Dtype(cfg.precision.dtype)
+    P, N, stage = bd.total, max(1, plan.data_parallel_size), cfg.zero.stage
+    p = g = DTYPE_BYTES[dtype]  # 16-bit or fp32 module: params and grads in that dtype
+    mixed = dtype != Dtype.fp32
+    off = OffloadDevice(cfg.offload.device)
+    off_opt, off_param = plan.offload_optimizer, plan.offload_params
+    part = math.ceil(P / N)
+    dev: List[Tuple[str, float]] = []
+    host: List[Tuple[str, float]] = []  # per rank
+    nvme = 0
+    if stage < 3:
+        dev.append(("parameters", P * p))
+    else:
+        persistent = bd.persistent(plan.buckets.stage3_param_persistence_threshold)
+        # stage3.py: partitioned 16-bit flat buffer (on host with offload_param) + persistent params whole
+        if off_param:
+            host.append(("parameters (host)", part * p))
+        else:
+            dev.append(("parameters", part * p))
+        dev.append(("persistent parameters", persistent * p))
+    dev.append(("buffers", bd.buffer_bytes))
+
+    states = [("fp32 master copies", part * MASTER_BYTES), ("optimizer states", part * ADAM_STATE_BYTES)]
+    if stage == 0 and dtype == Dtype.bf16 and plan.pipeline:
+        # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
+        # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
+        # fp32 master and Adam states are partitioned over the stage's data-parallel group (measured).
+        dev.append(("gradients", 2 * P * g))
+        dev += states
+    elif stage == 0:
+        dev.append(("gradients", P * g))
+        if mixed:  # FP16_Optimizer / FP16_UnfusedOptimizer: fp32 master of every parameter
+            dev.append(("fp32 master copies", P * MASTER_BYTES))
+        dev.append(("optimizer states", P * ADAM_STATE_BYTES))
+    elif stage in (1, 2):
+        if stage == 1:
+            # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition
+            dev.append(("gradients", P * g + (0 if off_opt else part * g)))
+        elif not off_opt:
+            dev.append(("gradients", part * g))  # grads_in_partition (``copy_grads_in_partition``)
+        if off_opt:
+            # Offload: pinned fp32 master + fp32 grad partition + 16-bit staging; CPU Adam states.
+            host += [(k + " (host)", v) for k, v in states]
+            host.append(("fp32 gradients (host)", part * 4))
+            host.append(("16-bit param staging (host)", part * p))
+            host.append(("grad staging buffer (host)", bd.largest_tensor * g))
+            if plan.grad_accum_steps > 1:
+                host.append(("accumulated gradients (host)", part * g))
+            dev.append(("offload staging buffer", bd.largest_tensor * g))  # temp_grad_buffer_for_gpu_offload
+        else:
+            dev += states
+    else:  # stage 3
+        grad_buf = [("gradients", part * g)]  # grad_partitions_flat_buffer (on self.device)
+        if off_opt:
+            # With offload the fp32 grad of each sub-group is a persistent pinned buffer
+            # (stage3.py initialize_optimizer_states: subgroup_gradient_buffer); without, a step transient.
+            host += [(k + " (host)", v) for k, v in grad_buf + [("fp32 gradient buffer", part * 4)] + states]
+            if off == OffloadDevice.nvme:
+                # ZeRO-Infinity: fp32 param + m + v (+ grads) swap out; pinned swap buffers stay on host.
+                nvme += part * (MASTER_BYTES + ADAM_STATE_BYTES + 4)
+                host = [(k, v) for k, v in host if k not in ("fp32 master copies (host)", "optimizer states (host)")]
+                host.append(("NVMe optimizer swap buffers (host)",
+                             NVME_OPTIMIZER_BUFFERS * min(part, DS_SUB_GROUP_SIZE) * 4))
+        else:
+            dev += grad_buf + states
+        if off_param and off == OffloadDevice.nvme:
+            nvme += part * p
+            host = [(k, v) for k, v in host if k != "parameters (host)"]
+            count, size = NVME_PARAM_BUFFERS
+            host.append(("NVMe param swap buffers (host)", count * size * p))
+    return ModelStates(phase(dev), host, nvme, part)
+
+
+def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) -> int:
+    """Device bytes the optimizer step adds on top of the persistent states (§2.3).
+
+    - ZeRO-0, 16-bit, FusedAdam (CUDA): FP16_Optimizer.step flattens ``p.grad.to(fp32)`` → 4Ψ list + 4Ψ
+      flat (fused_optimizer.py). On CPU ranks (torch AdamW → FP16_UnfusedOptimizer) each fp32 param
+      gets an fp32 grad, 4Ψ, then torch's for-loop AdamW temporaries.
+    - ZeRO-1/2: flat 16-bit partition copy + its fp32 copy (stage_1_and_2.py step: ``flat_grad_partition
+      .to(fp32)``; the fp32 copy of fp32 grads is a no-op), 6Ψ/N in 16-bit.
+    - ZeRO-3 the same per sub-group (stage3.py ``_prepare_fp32_grad_for_sub_group``: ``flatten(...).to(fp32)``).
+      With optimizer offload the step runs on the host into persistent pinned buffers.
+    - torch AdamW (CPU ranks, no offload) is the for-loop implementation (foreach is CUDA-only): about two
+      fp32 temporaries of the largest tensor it updates (``exp_avg_sq.sqrt() / bc2`` then ``.add_``).
+      Under ZeRO-1/2/3 that tensor is this rank's flat partition. FusedAdam/DeepSpeedCPUAdam: none.
+    - fp16: the overflow check upcasts one grad at a time, 4 bytes × the largest (§2.3 "loss scaler").
+    """
+    dtype = Dtype(cfg.precision.dtype)
+    g = DTYPE_BYTES[dtype]
+    P, stage = bd.total, cfg.zero.stage
+    torch_adam = plan.optimizer == OptimizerImpl.torch_adamw
+    overflow = 4 * min(bd.largest_tensor, part if stage >= 2 else bd.largest_tensor) if dtype == Dtype.fp16 else 0
+    if stage == 0:
+        if dtype == Dtype.fp32:
+            return 2 * 4 * bd.largest_tensor if torch_adam else 0
+        if torch_adam:
+            return 4 * P + 2 * 4 * bd.largest_tensor
+        return max(8 * P, overflow)
+    if plan.offload_optimizer:
+        return overflow
+    sub = part if stage < 3 else min(part, DS_SUB_GROUP_SIZE)
+    adam = 2 * 4 * sub if torch_adam else 0
+    convert = sub * g + (sub * 4 if g != 4 else 0)
+    # ZeRO-1/2 free the 16-bit grad partition once its fp32 copy exists (in fp32 the partition is the fp32
+    # grad itself); ZeRO-3's flat gradient buffer stays (measured on CPU).
+    fp32_grad = sub * 4 - (sub * g if stage < 3 else 0)
+    return max(convert, fp32_grad + adam) + overflow

@@ -1,0 +1,234 @@
+"""The rank's training loop: engine setup, optimizer steps, evaluation, checkpoints.
+
+What the launcher resolved (config, plan, DeepSpeed JSON, prepared data) is read from the run dir;
+how the model is split across ranks is the strategy's business (strategy.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from .. import checkpoint
+from ..config import Dtype, TaskName
+from ..data import RankSampler, open_split
+from ..rundir import RunDir
+from .strategy import strategy_for
+
+FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
+
+
+class Trainer:
+    def __init__(self, run_dir: RunDir):
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        self.torch, self.deepspeed, self.dist = torch, deepspeed, dist
+        self.run_dir = run_dir
+        self.cfg = run_dir.read_config()
+        self.plan = run_dir.read_plan()
+        self.ds_config: Dict[str, Any] = run_dir.read_ds_config()
+        self.prepared = run_dir.read_prepared()
+        self.task = self.plan.task
+        self.strategy = strategy_for(self.cfg, self.plan, self.ds_config)
+
+        deepspeed.init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.accel = get_accelerator()
+        if self.accel.device_name() == "cuda":
+            self.accel.set_device(self.local_rank)
+
+    # ------------------------------------------------------------------ setup
+    def build(self) -> None:
+        from ..models import build_model
+
+        cfg = self.cfg
+        seed_everything(cfg.seed)  # identical initial weights on every rank
+        # Every model is built whole and DeepSpeed partitions it. transformers' zero.Init path
+        # (HfDeepSpeedConfig) left weights it initialises itself (random init, and the new classifier
+        # head of a pretrained encoder) unset: losses of 1e26 at step 1 under ZeRO-3 with param offload.
+        self.hf_model = build_model(cfg.model, self.task, cfg.task.num_labels)
+        module = self.strategy.module(self.hf_model)
+        self.engine, _, _, self.scheduler = self.deepspeed.initialize(
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.ds_config)
+        if self.scheduler is not None and getattr(self.scheduler, "last_batch_iteration", 0) < 0:
+            self.scheduler.step()  # DeepSpeed's schedulers start "before step 0" at lr 0; step 1 uses iteration 0
+        self.device = self.engine.device
+        self.strategy.attach(self.engine, self.rank, self.world)
+        if self.engine.gradient_accumulation_steps() != self.plan.grad_accum_steps:
+            raise RuntimeError(f"DeepSpeed runs {self.engine.gradient_accumulation_steps()} micro-batches per step, "
+                               f"the plan {self.plan.grad_accum_steps}: plan.json and ds_config.json disagree")
+        self.train_data = open_split(self.prepared, "train")
+        self.val_data = open_split(self.prepared, "val")
+        self.sampler = RankSampler(len(self.train_data), self.strategy.dp_rank, self.strategy.dp_world,
+                                   self.plan.micro_batch_size, cfg.seed, self.plan.grad_accum_steps)
+        self.start_step = 0
+        # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
+        seed_everything(cfg.seed + 1000 * (self.rank + 1))
+
+    def batch(self, data, idx) -> Dict[str, Any]:
+        return {k: self.torch.from_numpy(v).to(self.device) for k, v in data.batch(idx).items()}
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> Dict[str, Any]:
+        cfg, tr = self.cfg, self.cfg.trainer
+        if self.rank == 0:
+            self.run_dir.start_metrics(keep_through_step=self.start_step)
+        kill_rank, kill_step = _fault_kill()
+        bar = None
+        if self.rank == 0 and tr.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=tr.max_steps, initial=self.start_step, desc="train", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        history: List[Dict[str, Any]] = []
+        last_ckpt: Optional[str] = None
+        last_eval: Dict[str, str] = {}
+        accum = self.plan.grad_accum_steps
+        self.engine.train()
+        for step in range(self.start_step + 1, tr.max_steps + 1):
+            t0 = time.perf_counter()
+            lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
+            batches = [self.batch(self.train_data, self.sampler.next_indices()) for _ in range(accum)]
+            mean_loss = self.strategy.train_step(batches)
+            dt = time.perf_counter() - t0
+            record: Dict[str, Any] = {"step": step, "loss": mean_loss, "lr": lr,
+                                      "tokens_per_s": self.plan.tokens_per_step / dt, "step_time_s": dt,
+                                      "epoch": self.sampler.epoch,
+                                      "skipped_steps": int(getattr(self.engine, "skipped_steps", 0))}
+            if cfg.precision.dtype == Dtype.fp16:
+                record["loss_scale"] = _loss_scale(self.engine)
+            if tr.eval_every and step % tr.eval_every == 0 and step != tr.max_steps:
+                record.update(self.evaluate())
+            history.append(record)
+            if self.rank == 0:
+                self.run_dir.append_metrics([record])
+                if bar is not None:
+                    if "val_loss" in record:  # the latest evaluation stays on the progress line
+                        last_eval = {k: f"{v:.4g}" for k, v in record.items() if k.startswith("val_")}
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **last_eval)
+                    bar.update(1)
+            if (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps:
+                last_ckpt = self.save(step)
+            if kill_rank == self.rank and kill_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if bar is not None:
+            bar.close()
+        return {"history": history, "checkpoint": last_ckpt, "final_eval": self.evaluate()}
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self) -> Dict[str, Any]:
+        """Validation loss over the whole validation set (split across replicas), with perplexity (LM)
+        or accuracy and macro-F1 (classification)."""
+        torch = self.torch
+        if len(self.val_data) == 0:
+            return {}
+        self.engine.eval()
+        classify = self.task == TaskName.sequence_classification
+        n_labels = self.cfg.task.num_labels
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, examples
+        confusion = torch.zeros(n_labels, n_labels, dtype=torch.float64, device=self.device)  # [true, predicted]
+        mb, dp_rank, dp_world = self.plan.micro_batch_size, self.strategy.dp_rank, self.strategy.dp_world
+        mine = list(range(dp_rank, len(self.val_data), dp_world))
+        # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively, pipeline
+        # stages exchange activations); a rank with no rows left runs row 0 with weight 0.
+        n_batches = math.ceil(math.ceil(len(self.val_data) / dp_world) / mb)
+        counts = self.strategy.holds_outputs
+        with torch.no_grad():
+            for b in range(n_batches):
+                idx = mine[b * mb:(b + 1) * mb]
+                batch = self.batch(self.val_data, idx or [0])
+                loss, logits = self.strategy.forward(batch)
+                if not idx or not counts:
+                    continue
+                total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
+                                      device=self.device)
+                if classify:
+                    pred = logits.argmax(-1)
+                    confusion.index_put_((batch["labels"], pred), torch.ones_like(pred, dtype=torch.float64),
+                                         accumulate=True)
+        self.dist.all_reduce(total)
+        self.engine.train()
+        val_loss = (total[0] / total[1]).item()
+        if not classify:
+            return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+        self.dist.all_reduce(confusion)
+        return {"val_loss": val_loss, **classification_metrics(confusion.cpu().numpy())}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> str:
+        client_state = {"step": step, "consumed": self.sampler.consumed}
+        return checkpoint.save(self.engine, self.run_dir.checkpoints, step, client_state,
+                               rng_state=rng_state(), rank=self.rank, barrier=self.dist.barrier,
+                               keep_last=self.cfg.trainer.keep_last)
+
+    def resume(self, ckpt_root, tag: str) -> None:
+        client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank)
+        self.start_step = int(client_state["step"])
+        self.sampler.consumed = int(client_state["consumed"])
+        if rng is not None:
+            set_rng_state(rng)
+
+
+def classification_metrics(confusion: np.ndarray) -> Dict[str, float]:
+    """Accuracy and macro-F1 from a [true, predicted] count matrix."""
+    tp = np.diag(confusion)
+    precision = np.divide(tp, confusion.sum(0), out=np.zeros_like(tp), where=confusion.sum(0) > 0)
+    recall = np.divide(tp, confusion.sum(1), out=np.zeros_like(tp), where=confusion.sum(1) > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(tp), where=(precision + recall) > 0)
+    return {"val_accuracy": float(tp.sum() / max(confusion.sum(), 1)), "val_f1": float(f1.mean())}
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> Dict[str, Any]:
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _loss_scale(engine) -> Optional[float]:
+    opt = engine.optimizer
+    for attr in ("cur_scale", "loss_scale"):
+        value = getattr(opt, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if value is not None and hasattr(value, "item"):
+            return float(value.item())
+    return None
+
+
+def _fault_kill():
+    spec = os.environ.get(FAULT_KILL_ENV, "")
+    if not spec:
+        return None, None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
