@@ -65,7 +65,7 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
     if hw.accelerator == "cuda":
         lines.append(f"capacity {cap} per GPU. Peak = {1 + cal.allocator_margin:.2f} × allocator peak + CUDA context "
                      f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
-                     " (uncalibrated priors, memory.md §5).")
+                     " (uncalibrated priors, docs/memory.md §5.2).")
     else:
         lines.append(f"capacity {cap} per rank = host RAM / {world.nproc_per_node} ranks; CPU ranks keep everything "
                      f"in host RAM (+ {_gib(cal.cpu_process_bytes)} process per rank).")

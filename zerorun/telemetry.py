@@ -90,7 +90,7 @@ _LIVE_BYTES_CLS = None
 def live_bytes():
     """A new LiveBytes tracker: a TorchDispatchMode that counts the bytes of every storage an op returns
     (the first time it sees it) until that storage is freed, and the peak of that sum. Storages made
-    before it starts count only once ``add``-ed. Like torch's MemTracker (memory.md §6) without its
+    before it starts count only once ``add``-ed. Like torch's MemTracker (docs/memory.md §8) without its
     per-module bookkeeping, which made the validation matrix three times slower."""
     global _LIVE_BYTES_CLS
     if _LIVE_BYTES_CLS is None:

@@ -31,6 +31,8 @@ BAD = [
     ("auto-left-in-overrides", ["+deepspeed.gradient_clipping=auto"], 'deepspeed.gradient_clipping="auto"'),
     ("pretrained-offline", ["+model=gpt2", "model.pretrained=true"], "model.pretrained=false"),
     ("missing-data-file", ["data.path=/nonexistent/file.txt"], "data.path=/nonexistent/file.txt: no such file"),
+    ("gate-refusal", ["+model=gpt2-large", "data.seq_len=1024", "hardware.gpus_per_node=2", "hardware.gpu_mem_gib=16"],
+     "memory: gpt2-large ZeRO-0 offload none fp32 micro 8 × seq 1024 on 2 rank(s) needs"),
     ("too-few-sequences", ["data.synthetic_docs=20", "data.seq_len=256", "trainer.micro_batch_size=64"],
      "training sequences are too few for one global batch of 128"),
 ]

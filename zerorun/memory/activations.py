@@ -14,19 +14,19 @@ DTYPE_BYTES = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2}
 """Bytes per element of the module (parameters, gradients, activations) for each precision."""
 
 CUDA_MASK_BYTES = 1
-"""Dropout mask element on CUDA: ``native_dropout`` returns bool (§2.1, §2.8). On CPU the mask is a
-tensor of the compute dtype (§2.8, measured again by benchmarks/validate_memory_cpu.py)."""
+"""Dropout mask element on CUDA: ``native_dropout`` returns bool (§3.1, §3.7). On CPU the mask is a
+tensor of the compute dtype (§3.7, measured again by benchmarks/memory_harness.py)."""
 
 LOSS_BYTES_PER_LOGIT = 12
-"""Bytes per b·s·V logit element at the loss peak of HF's ForCausalLMLoss (§2.6): the fp32
+"""Bytes per b·s·V logit element at the loss peak of HF's ForCausalLMLoss (§3.5): the fp32
 log_softmax output saved for backward (4), the nll grad flowing into it (4) and log_softmax's grad
-(4). §2.6 measured 14 with the model-output object alive and ~12 without; zerorun.train keeps only
+(4). §3.5 measured 14 with the model-output object alive and ~12 without; zerorun.train keeps only
 ``.loss``, so the 16-bit logits are gone by then. Forward holds less (16-bit logits 2 + fp32 upcast 4
 + log_softmax 4 = 10)."""
 
 
 LN_STAT_BYTES = 4
-"""LayerNorm saves mean and rstd per token, fp32 on CUDA (2 per LN). Neglected by Eq. 1 (§2.1)."""
+"""LayerNorm saves mean and rstd per token, fp32 on CUDA (2 per LN). Neglected by Eq. 1 (§3.1)."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,13 @@ class Activations:
     recompute_layer: int
     """One layer's saved tensors while it is recomputed under checkpointing (no KV cache copies)."""
     checkpoint_per_layer: int
-    """Kept per layer under full checkpointing: the layer input (§2.1 "2sbh" in 16-bit, §2.2)."""
+    """Kept per layer under full checkpointing: the layer input (§3.1 "2sbh" in 16-bit, §3.2)."""
     outside_layers: int
     """Embeddings and final LN / LM-head input / pooler, saved either way."""
     working_set: int
     """Activation gradients alive while one layer runs backward (not in Eq. 1; sized from the op graph)."""
     logits_loss: int
-    """Logits + loss transient at the start of backward (§2.6)."""
+    """Logits + loss transient at the start of backward (§3.5)."""
     num_layers: int
     checkpointing: bool
     outside_first: int = 0
@@ -69,10 +69,10 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
     """What HF's default ``attn_implementation="sdpa"`` runs (transformers 4.57.6 picks sdpa for GPT-2 and BERT).
 
     CUDA: flash (16-bit) or memory-efficient (fp32) kernels; both support dropout and save q, k, v,
-    out and an fp32 log-sum-exp, never the a·s² matrices (§2.3; flash_attn_interface saves
-    ``q, k, v, out, softmax_lse, rng_state``). Not yet checked on a GPU (§7).
+    out and an fp32 log-sum-exp, never the a·s² matrices (§3.3; flash_attn_interface saves
+    ``q, k, v, out, softmax_lse, rng_state``). Not yet checked on a GPU (§8.3).
     CPU: the flash kernel has no dropout, so training with dropout > 0 falls back to the math path,
-    which upcasts to fp32 and saves the s² tensors (§2.4 row "SDPA (dropout 0.1), CPU"; measured).
+    which upcasts to fp32 and saves the s² tensors (§3.4 row "SDPA (dropout 0.1), CPU"; measured).
     """
     if accelerator == "cuda" or dropout == 0:
         return "sdpa-fused"
@@ -82,7 +82,7 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
                 checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
                 num_labels: int = 2) -> Activations:
-    """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§2.1).
+    """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1).
 
     Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
     (LN inputs 2, QKV input 1, Q K V 3, projection input 1, fc1 input 1, GeLU input 4, fc2 input 4),
@@ -92,15 +92,15 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     the CUDA kernels and eager are not measured:
 
     - GPT-2's default ``gelu_new`` is a Python tanh formula that saves x, tanh(·), 0.5x, 1+tanh:
-      4·I/h units instead of I/h (§2.4: +24·sbh at I = 4h in 16-bit).
+      4·I/h units instead of I/h (§3.4: +24·sbh at I = 4h in 16-bit).
     - GPT-2 builds a DynamicCache in training (use_cache defaults to true): K and V are ``torch.cat``
       copies, +2 units; with checkpointing HF turns the cache off.
     - sdpa-fused: q, k, v (+ fp32 log-sum-exp 4·a·s·b); the kernel output *is* the projection input
-      (same storage), no s² terms, no attention-dropout mask (§2.3).
+      (same storage), no s² terms, no attention-dropout mask (§3.3).
     - sdpa-math (CPU, dropout > 0): fp32 copies of q, k, v (12 bytes per sbh element) and fp32 softmax,
-      dropout mask and dropout output: 12·a·s²·b (§2.4 measured 138·sbh at s=512, h=768: 42 + 12·8).
+      dropout mask and dropout output: 12·a·s²·b (§3.4 measured 138·sbh at s=512, h=768: 42 + 12·8).
     - eager: Eq. 1's attention core (+ the KV-cache copies for GPT-2). Not zerorun's default.
-    - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§2.8); none when dropout = 0.
+    - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§3.7); none when dropout = 0.
     - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
     """
     b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers

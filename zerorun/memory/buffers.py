@@ -115,7 +115,7 @@ def zero3_live_peak(key: Tuple, threshold: int, reuse_distance: int) -> int:
     module runs, its parameters stay gathered if they are used again within ``stage3_max_reuse_distance``
     elements of the modules that follow in the trace. With the default 1e9 a model under ~0.5B
     parameters stays fully gathered after the first step (the "ZeRO-3 uses more than ZeRO-2" reports of
-    §5). Granularity here is one transformer layer; DeepSpeed traces leaf modules.
+    §5.2). Granularity here is one transformer layer; DeepSpeed traces leaf modules.
     """
     bd = breakdown(key)
     big = lambda ts, tag: tuple((tag, i, n) for i, n in enumerate(ts) if n > threshold)  # noqa: E731

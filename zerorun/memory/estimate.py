@@ -29,14 +29,14 @@ Phase = "OrderedDict[str, int]"
 
 @dataclass(frozen=True)
 class Calibration:
-    """Terms outside the PyTorch allocator and other priors that a GPU "receipt" should refresh (§5, §7)."""
+    """Terms outside the PyTorch allocator and other priors that a GPU "receipt" should refresh (§5.2, §8.3)."""
 
     cuda_context_bytes: int = GIB // 2
-    """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5)."""
+    """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5.2)."""
     nccl_bytes: int = 1 * GIB
-    """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§3, §5)."""
+    """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§5.2)."""
     allocator_margin: float = 0.10
-    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§3, §5)."""
+    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2)."""
     cpu_process_bytes: int = GIB // 2
     """Host RSS of one rank's interpreter + torch + transformers + deepspeed before any tensor:
     0.41 GiB measured on this machine (torch 2.13 CPU); rounded up. Counted on CPU ranks (their
@@ -75,7 +75,7 @@ class Estimate:
     fits_device: bool = True
     fits_host: bool = True
     model_state_bytes: int = 0
-    """Parameters + gradients + fp32 master + optimizer states held on the device per rank (ZeRO §1.1)."""
+    """Parameters + gradients + fp32 master + optimizer states held on the device per rank (§2.1)."""
     params: int = 0
     summary: Dict[str, Any] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
@@ -110,7 +110,7 @@ class Estimate:
             "config": dict(self.summary),
             "notes": list(self.notes),
             **({"pipeline_stages": list(self.stages)} if self.stages else {}),
-            "source": "zerorun.memory (memory.md §0-§3); not yet calibrated on a GPU",
+            "source": "zerorun.memory (docs/memory.md §1-§6); GPU overheads are uncalibrated priors (§5.2)",
         }
 
 

@@ -47,6 +47,10 @@ class GateDecision:
     def overrides(self) -> List[str]:
         return [c.override() for c in self.changes]
 
+    def refusal(self) -> UserError:
+        """The refusal as the one user-error type (key "gate")."""
+        return UserError(f"memory: {self.message}", key="gate", value=self.mode.value)
+
 
 def _override(key: str, value: Any) -> str:
     if key == "zero.stage":
@@ -58,15 +62,6 @@ def _override(key: str, value: Any) -> str:
     if value is None:
         return f"{key}=null"
     return f"{key}={value}"
-
-
-
-
-
-
-    def refusal(self) -> UserError:
-        """The refusal as the one user-error type (key "gate")."""
-        return UserError(f"memory: {self.message}", key="gate", value=self.mode.value)
 
 
 @dataclass(frozen=True)
@@ -129,7 +124,6 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
         new_par = dataclasses.replace(new_par, micro_batches=accum)
     new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par)
     return new, changes
-
 
 
 def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs]:

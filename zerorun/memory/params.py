@@ -17,7 +17,7 @@ class ParamBreakdown:
     """Parameter tensors of the model zerorun builds, by region (numel per tensor).
 
     ``total`` equals ``sum(p.numel() for p in model.parameters())`` of the transformers model
-    (tied weights counted once, as DeepSpeed's ``data_ptr`` count does: §Notation).
+    (tied weights counted once, as DeepSpeed's ``data_ptr`` count does: docs/memory.md §1).
     """
 
     family: Family
