@@ -35,13 +35,13 @@ def _storages(tensors, device_type: Optional[str]) -> Dict[int, int]:
     return out
 
 
-def _tensors_in(obj, names_like):
-    """Tensors held (in lists, tuples, dicts) by attributes of ``obj`` whose name contains one of ``names_like``."""
+def _tensors_in(obj, names):
+    """Tensors held (in lists, tuples, dicts) by the attributes of ``obj`` called one of ``names``."""
     import torch
 
     found = []
     for name, v in vars(obj).items():
-        if not any(s in name.lower() for s in names_like):
+        if name not in names:
             continue
         stack = [v]
         while stack:
@@ -55,9 +55,10 @@ def _tensors_in(obj, names_like):
     return found
 
 
-MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups")
-"""DeepSpeed optimizer attributes holding fp32 master partitions: ZeRO-1/2, ZeRO-3, FP16/BF16 optimizers
-(``fp32_groups_flat``, ``fp32_groups_flat_partition`` of BF16_Optimizer contain the last name)."""
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat",
+                "fp32_groups_flat_partition", "fp32_groups")
+"""DeepSpeed optimizer attributes holding the fp32 masters: ZeRO-1/2, ZeRO-3, FP16_Optimizer, BF16_Optimizer
+(pipelines), FP16_UnfusedOptimizer. Exact names: BF16_Optimizer's gradient buffers share the prefix."""
 
 
 def model_state_bytes(engine, device_type: Optional[str] = None) -> Dict[str, int]:
@@ -70,7 +71,9 @@ def model_state_bytes(engine, device_type: Optional[str] = None) -> Dict[str, in
     params = list(engine.module.parameters())
     if params and hasattr(params[0], "ds_tensor"):
         pbytes = _storages([p.ds_tensor for p in params], device_type)
-        persistent = _storages([p.data for p in params if getattr(p, "ds_persist", False)], device_type)
+        # On one rank ZeRO-3 points a persistent parameter's data at the partition itself: count it once.
+        persistent = {k: v for k, v in _storages([p.data for p in params if getattr(p, "ds_persist", False)],
+                                                 device_type).items() if k not in pbytes}
     else:
         pbytes, persistent = _storages([p.data for p in params], device_type), {}
     owned = set(pbytes) | set(persistent)
