@@ -40,6 +40,14 @@ def hf_config(m: ModelConfig, num_labels: int = 2):
                hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout, num_labels=num_labels)
 
 
+def import_model_code(family: Family) -> None:
+    """Import the family's transformers modeling code now: it is most of a rank's non-tensor memory
+    (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
+    import importlib
+
+    importlib.import_module(f"transformers.models.{Family(family).value}.modeling_{Family(family).value}")
+
+
 def model_class(task: TaskName):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

@@ -11,8 +11,33 @@ TRACK_MEMORY_ENV = "ZERORUN_TRACK_MEMORY"  # "1": count live tensor bytes on CPU
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
+    """This process's peak resident set size (Linux reports KiB): what a cgroup limit and the OOM killer see."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_status() -> Dict[str, int]:
+    """The kernel's memory figures for this process in bytes (/proc/self/status): VmRSS (now), VmHWM (peak),
+    RssAnon (heap and anonymous mappings), RssFile (mapped files: libraries, memory-mapped data), RssShmem."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:  # not Linux: the peak from getrusage, nothing finer
+        out = {"VmHWM": peak_rss_bytes()}
+    return out
+
+
+class RssMilestones:
+    """The process's peak RSS as a run passes named points: which part of a run raised the peak."""
+
+    def __init__(self):
+        self.points: Dict[str, int] = {}
+
+    def mark(self, name: str) -> None:
+        self.points[name] = rss_status().get("VmHWM", peak_rss_bytes())
 
 
 def accelerator_peak_bytes() -> int:

@@ -12,6 +12,7 @@ from ..telemetry import TRACK_MEMORY_ENV, accelerator_peak_bytes, model_state_by
 from .export import export
 from .trainer import Trainer
 
+MILESTONES = ("ready", "built", "first step", "trained", "evaluated", "exported")
 MEASURES = ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated (0 on CPU); peak_rss_bytes = the "
             "rank process's peak resident set (getrusage: includes Python, torch and DeepSpeed themselves); "
             "model_state_bytes = the parameter, fp32-master and optimizer-state tensors DeepSpeed holds on the rank "
@@ -47,6 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         live["train"] = tracker.peak
         tracker.__exit__(None, None, None)
     export_dir = export(trainer) if trainer.cfg.trainer.export else None
+    trainer.rss.mark("exported")
     memory = gather_memory(trainer, live if tracker else None)
     if trainer.rank == 0:
         summary = build_summary(trainer, result, memory, export_dir, time.time() - t_start, tracked=bool(tracker))
@@ -64,9 +66,11 @@ def gather_memory(trainer: Trainer, live: Optional[Dict[str, int]]) -> List[Dict
 
     states = model_state_bytes(trainer.engine)
     stage = trainer.engine.stage_id if trainer.strategy.pipeline else -1
+    marks = [trainer.rss.points.get(name, 0) for name in MILESTONES]
     mine = torch.tensor([peak_rss_bytes(), accelerator_peak_bytes(), states["parameters"],
                          states["persistent parameters"], states["fp32 master copies"], states["optimizer states"],
-                         (live or {}).get("init", 0), (live or {}).get("train", 0), stage], dtype=torch.float64)
+                         (live or {}).get("init", 0), (live or {}).get("train", 0), stage, *marks],
+                        dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]
     trainer.dist.all_gather(gathered, mine)
     out = []
@@ -75,6 +79,8 @@ def gather_memory(trainer: Trainer, live: Optional[Dict[str, int]]) -> List[Dict
         row: Dict[str, Any] = {"rank": r, "peak_rss_bytes": g[0], "accelerator_peak_allocated_bytes": g[1],
                                "model_state_bytes": {"parameters": g[2], "persistent_parameters": g[3],
                                                      "fp32_master": g[4], "optimizer_states": g[5]}}
+        # The peak RSS so far as the rank passed each point: which part of the run set the peak.
+        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[9:]))
         if live is not None:
             row["live_tensor_peak_bytes"] = {"init": g[6], "train": g[7]}
         if trainer.strategy.pipeline:

@@ -19,6 +19,7 @@ from .. import checkpoint
 from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
+from ..telemetry import RssMilestones
 from .strategy import strategy_for
 
 FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
@@ -46,6 +47,11 @@ class Trainer:
         self.accel = get_accelerator()
         if self.accel.device_name() == "cuda":
             self.accel.set_device(self.local_rank)
+        from ..models import import_model_code
+
+        import_model_code(self.cfg.model.family)
+        self.rss = RssMilestones()
+        self.rss.mark("ready")  # every import and the process group, no tensor yet: the process baseline
 
     # ------------------------------------------------------------------ setup
     def build(self) -> None:
@@ -72,6 +78,7 @@ class Trainer:
         self.sampler = RankSampler(len(self.train_data), self.strategy.dp_rank, self.strategy.dp_world,
                                    self.plan.micro_batch_size, cfg.seed, self.plan.grad_accum_steps)
         self.start_step = 0
+        self.rss.mark("built")
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         seed_everything(cfg.seed + 1000 * (self.rank + 1))
 
@@ -121,9 +128,14 @@ class Trainer:
                 last_ckpt = self.save(step)
             if kill_rank == self.rank and kill_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == self.start_step + 1:
+                self.rss.mark("first step")
         if bar is not None:
             bar.close()
-        return {"history": history, "checkpoint": last_ckpt, "final_eval": self.evaluate()}
+        self.rss.mark("trained")
+        final_eval = self.evaluate()
+        self.rss.mark("evaluated")
+        return {"history": history, "checkpoint": last_ckpt, "final_eval": final_eval}
 
     # ------------------------------------------------------------------ eval
     def evaluate(self) -> Dict[str, Any]:

@@ -1,0 +1,123 @@
+"""The memory gate's per-rank figure against what the OS saw: each rank's peak RSS in real zerorun runs.
+
+    python benchmarks/rss_validation.py [--set quick|full|gpt2] [--calibrated] [--out rows.jsonl]
+
+Each point is a real `zerorun` run on CPU ranks (a few steps, the final evaluation, checkpoint and export
+included: all of it can OOM). Measured: each rank's peak resident set as the kernel reports it
+(getrusage ru_maxrss = VmHWM, in summary.json). Estimated: the gate's per-rank peak (estimate.json). The
+error is (estimate − measured) / measured; the targets are median |error| ≤ 5%, worst ≤ 10%, never more
+than 5% under (calibrated: median ≤ 3%, never more than 3% under). Figures, not a test:
+tests/e2e/test_rss_estimate.py holds the same statistics on a small subset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MIB = 2**20
+BASE = ["trainer.max_steps=3", "trainer.progress=false", "trainer.warmup_steps=1", "trainer.save_every=0",
+        "trainer.eval_every=0", "data.synthetic_docs=2000"]
+
+
+def long_rows(path: Path) -> Path:
+    """Classification rows longer than any seq_len, so padded batches reach it (the estimate's assumption)."""
+    if not path.exists():
+        path.write_text("".join(json.dumps({"text": " ".join(["the memory of a long review"] * 120),
+                                            "label": i % 2}) + "\n" for i in range(256)))
+    return path
+
+
+def points(which: str, data_dir: Path) -> List[List[str]]:
+    bert_data = [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
+    out: List[List[str]] = []
+    grid = [(z, p, c) for z in (0, 1, 2, 3) for p in ("fp32", "bf16") for c in ("false", "true")]
+    if which in ("quick", "full"):
+        for z, p, c in grid if which == "full" else grid[::3]:
+            out.append(["+model=tiny-gpt2", f"zero=stage{z}", f"precision={p}", f"trainer.activation_checkpointing={c}",
+                        "data.seq_len=256", "trainer.micro_batch_size=4"])
+        out += [["+model=tiny-gpt2", "zero=stage2", "offload=cpu", "data.seq_len=256"],
+                ["+model=tiny-gpt2", "zero=stage3", "offload=cpu", "precision=bf16", "data.seq_len=128"],
+                ["+model=tiny-bert", "zero=stage2", "data.seq_len=256", *bert_data],
+                ["+model=tiny-bert", "zero=stage3", "precision=bf16", "data.seq_len=128", *bert_data],
+                ["+model=tiny-gpt2", "zero=stage1", "launcher.nproc_per_node=1", "data.seq_len=256"],
+                ["+model=tiny-gpt2", "parallel=pipeline", "parallel.micro_batches=4", "data.seq_len=128"]]
+    if which in ("gpt2", "full"):
+        for z, p, c in grid if which in ("gpt2", "full") else []:
+            out.append(["+model=gpt2", f"zero=stage{z}", f"precision={p}", f"trainer.activation_checkpointing={c}",
+                        "data.seq_len=256", "trainer.micro_batch_size=2"])
+        out += [["+model=gpt2", "zero=stage2", "offload=cpu", "data.seq_len=256", "trainer.micro_batch_size=2"],
+                ["+model=gpt2", "zero=stage3", "offload=cpu", "data.seq_len=256", "trainer.micro_batch_size=2"],
+                ["+model=minilm", "zero=stage2", "data.seq_len=256", "trainer.micro_batch_size=8", *bert_data],
+                ["+model=gpt2", "zero=stage2", "launcher.nproc_per_node=1", "data.seq_len=128",
+                 "trainer.micro_batch_size=2"]]
+    return out
+
+
+def run_point(overrides: List[str], work: Path, env: Dict[str, str]) -> List[Dict]:
+    run_dir = Path(tempfile.mkdtemp(dir=work))
+    cmd = [str(BIN / "zerorun"), *BASE, *overrides, f"hydra.run.dir={run_dir}"]
+    if not any(o.startswith("launcher.nproc_per_node") for o in overrides):
+        cmd.append("launcher.nproc_per_node=2")
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stdout[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    est = json.loads((run_dir / "estimate.json").read_text())
+    rows = []
+    for r in summary["peak_memory"]:
+        stage = r.get("pipeline_stage")
+        e = est["pipeline_stages"][stage] if stage is not None and "pipeline_stages" in est else est
+        rows.append({"config": " ".join(overrides), "rank": r["rank"], "estimate": e["per_rank_peak_bytes"],
+                     "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
+                     "by_point": r.get("peak_rss_bytes_by_point", {}),
+                     "calibrated": est.get("calibration", {}).get("source") == "calibrated"})
+    return rows
+
+
+def summarize(rows: List[Dict]) -> List[str]:
+    errors = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
+    under = [-e for e in errors if e < 0]
+    return [f"{len(rows)} ranks: median |error| {100 * statistics.median(abs(e) for e in errors):.1f}%, worst "
+            f"{100 * max(abs(e) for e in errors):.1f}%, under-estimated on {len(under)} "
+            f"(largest {100 * max(under, default=0):.1f}%)"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", default="quick", choices=("quick", "full", "gpt2"))
+    ap.add_argument("--out", help="append every rank's row as JSON lines")
+    ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="zerorun-rss-"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    rows: List[Dict] = []
+    print(f"{'config':92s} {'rank':>4s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak phase     (MiB)")
+    for i, ovs in enumerate(points(args.set, work)):
+        if args.only and i not in args.only:
+            continue
+        t0 = time.perf_counter()
+        for r in run_point(ovs, work, env):
+            rows.append(r)
+            err = (r["estimate"] - r["measured"]) / r["measured"]
+            print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "
+                  f"{100 * err:+6.1f}%  {r['phase']:14s} "
+                  + " ".join(f"{k}={v / MIB:.0f}" for k, v in r["by_point"].items()), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+        print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    print("\n".join(summarize(rows)))
+
+
+if __name__ == "__main__":
+    main()
