@@ -382,14 +382,17 @@ def pipeline_stage_rows(run_dir: Path) -> List[Dict[str, Any]]:
     rank measured (peak live tensor bytes over init and training; DeepSpeed's model-state tensors)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     est = json.loads((run_dir / "estimate.json").read_text())
-    runtime = est["components"].get("process runtime", 0)
+    from zerorun.memory import OVERHEADS
+
+    runtime = sum(v for k, v in est["components"].items() if k in OVERHEADS)
     rows = []
     for r in summary["peak_memory"]:
         st = est["pipeline_stages"][r["pipeline_stage"]]
         states_est = st["model_state_bytes"] - st["phases"]["backward"].get("gradients", 0)  # grads come and go
         rows.append({
             "stage": st["stage"], "layers": st["layers"], "in_flight": st["in_flight_micro_batches"],
-            "est": st["per_rank_peak_bytes"] - runtime, "phase": st["peak_phase"],
+            "est": st["per_rank_peak_bytes"] - sum(v for k, v in st["components"].items() if k in OVERHEADS),
+            "phase": st["peak_phase"],
             "measured": max(r["live_tensor_peak_bytes"].values()),
             "states_est": states_est, "states_measured": sum(r["model_state_bytes"].values()),
         })

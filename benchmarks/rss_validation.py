@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zerorun.memory import OVERHEADS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -73,15 +77,39 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str]) -> List[Dic
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stdout[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     est = json.loads((run_dir / "estimate.json").read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)  # a GPT-2 checkpoint is 1.5 GB: keep only the figures
     rows = []
     for r in summary["peak_memory"]:
         stage = r.get("pipeline_stage")
         e = est["pipeline_stages"][stage] if stage is not None and "pipeline_stages" in est else est
-        rows.append({"config": " ".join(overrides), "rank": r["rank"], "estimate": e["per_rank_peak_bytes"],
+        rows.append({"config": " ".join(overrides), "rank": r["rank"], "stage": stage,
+                     "estimate": e["per_rank_peak_bytes"],
                      "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
-                     "by_point": r.get("peak_rss_bytes_by_point", {}),
+                     "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
+                     "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
+                                                                      if k in OVERHEADS),
                      "calibrated": est.get("calibration", {}).get("source") == "calibrated"})
     return rows
+
+
+def rescore(rows: List[Dict]) -> List[Dict]:
+    """The stored measurements against the estimate the current code makes for the same config (same machine:
+    the per-rank figure does not depend on how much RAM is free)."""
+    from zerorun.config import compose, make_plan, plan_world
+    from zerorun.hardware import detect
+    from zerorun.memory import estimate
+
+    hw, out = detect(), []
+    for r in rows:
+        ovs = [*BASE, *r["config"].split()]
+        if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
+            ovs.append("launcher.nproc_per_node=2")
+        cfg = compose([o for o in ovs if not o.startswith("data.path")])
+        est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw)
+        stage = r.get("stage", r["rank"] if est.stages else None)
+        e = est.stages[stage] if est.stages else est.to_json()
+        out.append(dict(r, estimate=e["per_rank_peak_bytes"], phase=e["peak_phase"]))
+    return out
 
 
 def summarize(rows: List[Dict]) -> List[str]:
@@ -97,9 +125,23 @@ def main() -> None:
     ap.add_argument("--set", default="quick", choices=("quick", "full", "gpt2"))
     ap.add_argument("--out", help="append every rank's row as JSON lines")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
+    ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
+                                                   "estimator")
+    ap.add_argument("--track", action="store_true",
+                    help="also count live tensor bytes on each rank (ZERORUN_TRACK_MEMORY=1; slower)")
     args = ap.parse_args()
+    if args.rescore:
+        rows = rescore([json.loads(line) for f in args.rescore for line in open(f) if line.strip()])
+        for r in rows:
+            err = (r["estimate"] - r["measured"]) / r["measured"]
+            print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "
+                  f"{100 * err:+6.1f}%  {r['phase']}")
+        print("\n".join(summarize(rows)))
+        return
     work = Path(tempfile.mkdtemp(prefix="zerorun-rss-"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if args.track:
+        env["ZERORUN_TRACK_MEMORY"] = "1"
     rows: List[Dict] = []
     print(f"{'config':92s} {'rank':>4s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak phase     (MiB)")
     for i, ovs in enumerate(points(args.set, work)):
@@ -111,7 +153,9 @@ def main() -> None:
             err = (r["estimate"] - r["measured"]) / r["measured"]
             print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "
                   f"{100 * err:+6.1f}%  {r['phase']:14s} "
-                  + " ".join(f"{k}={v / MIB:.0f}" for k, v in r["by_point"].items()), flush=True)
+                  + " ".join(f"{k}={v / MIB:.0f}" for k, v in r["by_point"].items())
+                  + (f" | live init={r['live']['init'] / MIB:.0f} train={r['live']['train'] / MIB:.0f} "
+                     f"vs allocator estimate {r['alloc_estimate'] / MIB:.0f}" if r["live"] else ""), flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(r) + "\n")

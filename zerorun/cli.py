@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, launcher
-from .config import (ConfigError, DataError, OffloadDevice, Plan, RunConfig, UserError, World, check, compose,
+from .config import (ConfigError, DataError, GateMode, OffloadDevice, Plan, RunConfig, UserError, World, check, compose,
                      make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
                      unknown_override_keys)
@@ -78,18 +78,30 @@ def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
     return cfg
 
 
-def gated(cfg: RunConfig, world: World, hw: Hardware):
+def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir):
     """The memory gate on the hardware to plan for (``hardware.*`` declared, else this machine):
     (the config to launch, the decision). Declared sizes feed the gate only, so a CPU box never launches
-    CUDA ranks because a GPU size was declared."""
+    CUDA ranks because a GPU size was declared. Corrections measured on this machine apply when the plan
+    is for this machine (``gate=calibrate`` measures one first)."""
+    from . import calibration
     from .memory import gate
 
     plan_hw = resolve_hardware(cfg.hardware, hw)
+    cal = calibration.calibration_for(cfg)
+    if cfg.gate == GateMode.calibrate:
+        if plan_hw.device_name != hw.device_name:
+            say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
+        elif calibration.has_correction(cfg, hw, cal) is None:
+            record = calibration.probe(cfg, hw, prepared, run_dir.path / "calibration", log=say)
+            say(f"calibrated in {record['seconds']:.0f} s: {record['measure']} {record['measured_bytes'] / GIB:.2f} GiB "
+                f"measured, {record['estimated_bytes'] / GIB:.2f} GiB estimated; the correction "
+                f"({record['correction_bytes'] / 2**20:+.0f} MiB) applies from now on (calibration.json).")
+            cal = calibration.calibration_for(cfg)
     gate_world = plan_world(cfg, plan_hw)
     if gate_world.size != world.size or plan_hw.accelerator != world.accelerator:
         say(f"memory gate plans for the declared hardware: {plan_hw.describe()}, {gate_world.size} rank(s); "
             f"this machine launches {world.size} {world.accelerator} rank(s).")
-    decision = gate(cfg, make_plan(cfg, gate_world), plan_hw)
+    decision = gate(cfg, make_plan(cfg, gate_world), plan_hw, cal=cal)
     if not decision.ok:
         raise decision.refusal()
     if decision.warning:
@@ -100,7 +112,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware):
     est = decision.estimate
     say(f"memory: {est.per_rank_peak_bytes / GIB:.2f} of {est.device_capacity_bytes / GIB:.2f} GiB per "
         f"{'GPU' if est.device == 'cuda' else 'rank'} (peak in {est.peak_phase}; largest: "
-        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.top(3)) + f") [gate={decision.mode.value}]")
+        + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.top(3)) + f") [gate={cfg.gate.value}; {est.calibration}]")
     return cfg, decision
 
 
@@ -113,7 +125,11 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     world = plan_world(cfg, hw, nodes=cfg.launcher.nnodes)
     cfg = checked(cfg, world)
     say(hw.describe())
-    cfg, decision = gated(cfg, world, hw)
+    prepared = prepare(cfg.data, cfg.model, cfg.seed, make_plan(cfg, world).task.value, cfg.task.num_labels)
+    say(f"data: {prepared.source}, {prepared.task}: {prepared.num_train} train / {prepared.num_val} "
+        f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
+        f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
+    cfg, decision = gated(cfg, world, hw, prepared, run_dir)
     if cfg.offload.device == OffloadDevice.nvme and not cfg.offload.nvme_path:
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
@@ -125,10 +141,6 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
         f"{plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step} tokens per step, "
         f"{cfg.trainer.max_steps} steps")
 
-    prepared = prepare(cfg.data, cfg.model, cfg.seed, plan.task.value, cfg.task.num_labels)
-    say(f"data: {prepared.source}, {plan.task.value}: {prepared.num_train} train / {prepared.num_val} "
-        f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
-        f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
     short = too_few_sequences(prepared.num_train, plan.global_batch_size,
                               f"{plan.data_parallel_size} data-parallel rank(s) × micro-batch {plan.micro_batch_size}"
                               f" × accumulation {plan.grad_accum_steps}")

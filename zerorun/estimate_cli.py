@@ -67,8 +67,9 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
                      " (uncalibrated priors, docs/memory.md §5.2).")
     else:
-        lines.append(f"capacity {cap} per rank = host RAM / {world.nproc_per_node} ranks; CPU ranks keep everything "
-                     f"in host RAM (+ {_gib(cal.cpu_process_bytes)} process per rank).")
+        lines.append(f"capacity {cap} per rank = available host RAM / {world.nproc_per_node} ranks; CPU ranks keep "
+                     f"everything in host RAM; the peak is their resident set: {_gib(cal.cpu_process_bytes)} process "
+                     f"+ tensors + heap retention + {_gib(cal.cpu_overhead_bytes)} overhead (docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config.")
     if cfg.hardware.host_mem_gib is None and cfg.hardware.gpus_per_node:

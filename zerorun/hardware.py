@@ -28,12 +28,24 @@ class Hardware:
     nodes: int = 1
     cpu_cores: int = 1
     fp16_ok: bool = True  # CPU ranks: DeepSpeed's CPU accelerator runs fp16 only with AVX512-FP16/AMX
+    host_available_bytes: int = 0
+    """Host RAM a job can still get: MemAvailable, capped by the cgroup's headroom (0: unknown, use
+    host_mem_bytes). What the OOM killer or a cgroup limit will judge the ranks' resident memory against."""
+    device_name: str = ""
+    """The GPU (or CPU) model: calibrations are kept per device."""
+
+    @property
+    def host_usable_bytes(self) -> int:
+        return self.host_available_bytes or self.host_mem_bytes
 
     def describe(self) -> str:
+        avail = (f" ({self.host_available_bytes / GIB:.1f} GiB available)"
+                 if self.host_available_bytes and self.host_available_bytes < self.host_mem_bytes else "")
         if self.accelerator == "cpu":
-            return f"no GPU: CPU ranks on gloo (DS_ACCELERATOR=cpu), {self.cpu_cores} cores, {self.host_mem_bytes / GIB:.0f} GiB RAM"
+            return (f"no GPU: CPU ranks on gloo (DS_ACCELERATOR=cpu), {self.cpu_cores} cores, "
+                    f"{self.host_mem_bytes / GIB:.0f} GiB RAM{avail}")
         return (f"{self.nodes} node(s) × {self.gpus_per_node} GPU(s) of {self.gpu_mem_bytes / GIB:.3g} GiB, "
-                f"{self.host_mem_bytes / GIB:.0f} GiB host RAM per node")
+                f"{self.host_mem_bytes / GIB:.0f} GiB host RAM per node{avail}")
 
 
 def _nvidia_smi_memory() -> Optional[List[int]]:
@@ -60,6 +72,81 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The kernel's estimate of memory available to new work without swapping (MemAvailable); 0 if unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cgroup_headroom_bytes(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """How much more this process's memory cgroup may charge before its limit (v2 memory.max or v1
+    memory.limit_in_bytes, the tightest along the path), minus what it holds that cannot be reclaimed;
+    None without a limit."""
+    try:
+        lines = open(proc_cgroup).read().splitlines()
+    except OSError:
+        return None
+    best: Optional[int] = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base, limit_file, usage_file = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file = os.path.join(root, "memory"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            try:
+                raw = open(os.path.join(d, limit_file)).read().strip()
+                usage = int(open(os.path.join(d, usage_file)).read().strip())
+            except (OSError, ValueError):
+                continue
+            if raw == "max" or int(raw) >= 1 << 60:  # no limit at this level
+                continue
+            reclaimable = _cgroup_stat(os.path.join(d, "memory.stat"), ("inactive_file", "total_inactive_file"))
+            headroom = int(raw) - usage + reclaimable
+            best = headroom if best is None else min(best, headroom)
+    return best
+
+
+def _cgroup_stat(path: str, keys) -> int:
+    try:
+        for line in open(path):
+            k, _, v = line.partition(" ")
+            if k in keys:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def host_available_bytes() -> int:
+    """What the ranks can still get on this node: MemAvailable, capped by the cgroup's headroom."""
+    avail = mem_available_bytes()
+    headroom = cgroup_headroom_bytes()
+    if headroom is not None:
+        avail = min(avail, headroom) if avail else headroom
+    return max(0, avail)
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
 def free_disk_bytes(path: str) -> int:
     p = os.path.abspath(path)
     while not os.path.exists(p):
@@ -76,6 +163,7 @@ def detect() -> Hardware:
     """This machine. DS_ACCELERATOR=cpu forces CPU ranks even where GPUs exist."""
     cores = cpu_cores()
     gpus: List[int] = []
+    names: List[str] = []
     if os.environ.get("DS_ACCELERATOR", "") != "cpu":
         smi = _nvidia_smi_memory()
         if smi is None:
@@ -83,13 +171,29 @@ def detect() -> Hardware:
                 import torch
 
                 if torch.cuda.is_available():
-                    smi = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+                    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+                    smi, names = [p.total_memory for p in props], [p.name for p in props]
             except Exception:  # a broken CUDA install should not stop CPU planning
                 smi = None
         gpus = smi or []
+    avail = host_available_bytes()
     if gpus:
-        return Hardware("cuda", len(gpus), min(gpus), host_memory_bytes(), 1, cores)
-    return Hardware("cpu", 0, 0, host_memory_bytes(), 1, cores, fp16_ok=_cpu_fp16_supported())
+        return Hardware("cuda", len(gpus), min(gpus), host_memory_bytes(), 1, cores, host_available_bytes=avail,
+                        device_name=(names[0] if names else _nvidia_smi_name()) or "cuda")
+    return Hardware("cpu", 0, 0, host_memory_bytes(), 1, cores, fp16_ok=_cpu_fp16_supported(),
+                    host_available_bytes=avail, device_name=cpu_model())
+
+
+def _nvidia_smi_name() -> str:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return ""
+    try:
+        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+        return out.splitlines()[0].strip() if out.strip() else ""
+    except (subprocess.SubprocessError, OSError):
+        return ""
 
 
 def _cpu_fp16_supported() -> bool:
@@ -151,13 +255,17 @@ def resolve_hardware(declared: "HardwareConfig", detected: Optional[Hardware], *
            else (d.gpu_mem_bytes if d and d.accelerator == "cuda" else 0))
     if gpus == 0 and declared.gpus_per_node is None and declared.gpu_mem_gib is not None:
         gpus = 1
-    host = (int(declared.host_mem_gib * GIB) if declared.host_mem_gib is not None
-            else (d.host_mem_bytes if d else host_mem_bytes))
+    declared_host = declared.host_mem_gib is not None
+    host = int(declared.host_mem_gib * GIB) if declared_host else (d.host_mem_bytes if d else host_mem_bytes)
     nodes = declared.nodes if declared.nodes is not None else (d.nodes if d else 1)
     accel = "cuda" if gpus > 0 else "cpu"
+    gpu_declared = declared.gpus_per_node is not None or declared.gpu_mem_gib is not None
     return Hardware(accelerator=accel, gpus_per_node=gpus, gpu_mem_bytes=mem if accel == "cuda" else 0,
                     host_mem_bytes=host, nodes=nodes, cpu_cores=d.cpu_cores if d else cpu_cores,
-                    fp16_ok=True if accel == "cuda" else (d.fp16_ok if d else False))
+                    fp16_ok=True if accel == "cuda" else (d.fp16_ok if d else False),
+                    # A declared size is a plan for another machine: nothing of it is in use yet.
+                    host_available_bytes=0 if declared_host or not d else d.host_available_bytes,
+                    device_name="" if gpu_declared or not d else d.device_name)
 
 
 def needs_detection(declared: "HardwareConfig") -> bool:

@@ -11,15 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .config.rules import CPU_MMAP_THRESHOLD
+
 TRAIN_MODULE = "zerorun.train"
 SHM_DIR = "/dev/shm"
-CPU_MMAP_THRESHOLD = 1 << 20
-"""glibc serves allocations of at least this many bytes with their own mapping, returned to the OS when
-freed. Its default threshold rises with the largest block freed (up to 32 MiB), after which activations live
-on the heap and stay resident once freed, while the optimizer step allocates anew: measured on GPT-2 small
-(one CPU rank, seq 256) 0.7-1.1 GiB more peak RSS than with a fixed 1 MiB threshold, at the same speed."""
-
-
 @dataclass(frozen=True)
 class LaunchPlan:
     launcher: str  # "deepspeed" | "torchrun"

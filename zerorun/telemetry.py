@@ -47,6 +47,21 @@ def accelerator_peak_bytes() -> int:
     return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 
 
+def device_figures() -> Dict[str, int]:
+    """On a GPU rank, what decides a CUDA OOM: the caching allocator's peak reserved memory, and the memory
+    outside it (CUDA context, NCCL buffers, cuBLAS workspaces) = device used − reserved now, from the driver
+    (``mem_get_info``). Their sum is the device peak the gate predicts. Empty on CPU ranks."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    outside = max(0, int(total - free) - int(torch.cuda.memory_reserved()))
+    reserved = int(torch.cuda.max_memory_reserved())
+    return {"allocated_peak": int(torch.cuda.max_memory_allocated()), "reserved_peak": reserved,
+            "outside_allocator": outside, "device_peak": reserved + outside}
+
+
 def _storages(tensors, device_type: Optional[str]) -> Dict[int, int]:
     """data_ptr → bytes of the distinct storages behind ``tensors``: scalars (Adam's step counters) left out,
     only those on ``device_type`` when given."""

@@ -59,6 +59,7 @@ class GateMode(str, enum.Enum):
     warn = "warn"
     off = "off"
     autofit = "autofit"
+    calibrate = "calibrate"
 
 
 class Family(str, enum.Enum):
@@ -283,7 +284,8 @@ class RunConfig:
     dry_run: bool = False
     """Compose, check, estimate, render and write the run dir; print the command; do not launch."""
     gate: GateMode = GateMode.strict
-    """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit."""
+    """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit, or calibrate (measure this
+    config on this machine once, as zerorun-calibrate does, then gate strictly with the measured correction)."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed JSON merged over the rendered one (expert escape hatch; checked too)."""
 

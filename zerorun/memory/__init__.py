@@ -11,7 +11,7 @@ Each module is one section of docs/memory.md:
   §7 gate.py         refuse, warn, or autofit the fastest config that fits; the estimate table's rows
 """
 from .activations import DTYPE_BYTES, Activations, activations, attention_kernel
-from .estimate import DEFAULT_CALIBRATION, OVERHEADS, Calibration, Estimate, estimate, gib
+from .estimate import DEFAULT_CALIBRATION, OVERHEADS, Calibration, Estimate, correction_key, estimate, gib
 from .gate import Change, GateDecision, autofit, gate, table_configs
 from .params import ParamBreakdown, count_params, model_key, param_breakdown
 from .stages import PipelineStage, partition_balanced, partition_uniform, pipeline_layer_params, pipeline_stages

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import Dtype, Family, ModelConfig, TaskName, default_task
+from ..config.rules import CPU_MMAP_THRESHOLD
 
 DTYPE_BYTES = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2}
 """Bytes per element of the module (parameters, gradients, activations) for each precision."""
@@ -57,6 +58,19 @@ class Activations:
     """Per in-flight micro-batch: the stage output a pipeline keeps for its backward (not on the last stage)."""
     pipe_buffers: int = 0
     """A pipeline stage's engine buffers that outlive the micro-batch (see ``_stage_view``)."""
+    small_per_layer: int = 0
+    """CPU ranks: bytes of one layer's saved tensors below the mmap threshold (on the heap: §5.4)."""
+    small_checkpoint: int = 0
+    """The same for a checkpointed layer's kept input."""
+    small_outside: int = 0
+    """The same for ``outside_layers``."""
+
+    @property
+    def heap_churn(self) -> int:
+        """Bytes of saved tensors one micro-batch puts on the heap and frees again (CPU ranks, §5.4); the heap
+        is reused from one micro-batch to the next, so a pipeline's in-flight ones do not multiply it."""
+        per = self.small_checkpoint if self.checkpointing else self.small_per_layer
+        return self.small_outside + self.num_layers * per + (self.small_per_layer if self.checkpointing else 0)
 
     @property
     def saved(self) -> int:
@@ -164,6 +178,20 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
         working = max(working, e * sbh + 4 * s2)
     elif kernel == "eager":
         working = max(working, e * sbh + e * s2)
+    # The same tensors by size, for what lands on a CPU rank's heap (below the mmap threshold, §5.4).
+    small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < CPU_MMAP_THRESHOLD)) \
+        if accelerator == "cpu" else (lambda sizes: 0)
+    hwide, iwide, s2b = sbh * e, int(r * sbh * e), s2
+    if kernel == "sdpa-math":
+        attn = [(3, sbh * 4), (3, s2b * 4)]
+    elif kernel == "sdpa-fused":
+        attn = [(3 + (2 if gpt2 and not checkpointing else 0), hwide), (1, 4 * a * s * b)]
+    else:
+        attn = [(3 + (2 if gpt2 and not checkpointing else 0), hwide), (3 if dropout else 1, s2b * e)]
+    layer_sizes = [(5, hwide), (1 + (4 if gpt2 else 1), iwide), (2 if dropout else 0, sbh * mask), (4, s * b * 4),
+                   *attn]
+    outside_sizes = [(2, hwide), (1 if dropout else 0, sbh * mask), (2, s * b * 4)]
     return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
-                       checkpointing, outside_first=int(first))
+                       checkpointing, outside_first=int(first), small_per_layer=small(layer_sizes),
+                       small_checkpoint=small([(1, hwide)]), small_outside=small(outside_sizes))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import Dtype, Family, OffloadDevice, Plan, RunConfig
 from ..hardware import GIB, Hardware
@@ -29,7 +29,9 @@ Phase = "OrderedDict[str, int]"
 
 @dataclass(frozen=True)
 class Calibration:
-    """Terms outside the PyTorch allocator and other priors that a GPU "receipt" should refresh (§5.2, §8.3)."""
+    """The terms no tensor count gives: what lives outside PyTorch's allocator, what the allocator keeps
+    beyond live tensors, and measured corrections for this machine (§5.2-§5.5). GPU terms are priors until
+    a calibration on the GPU replaces them."""
 
     cuda_context_bytes: int = GIB // 2
     """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5.2)."""
@@ -37,14 +39,52 @@ class Calibration:
     """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§5.2)."""
     allocator_margin: float = 0.10
     """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2)."""
-    cpu_process_bytes: int = GIB // 2
-    """Host RSS of one rank's interpreter + torch + transformers + deepspeed before any tensor:
-    0.41 GiB measured on this machine (torch 2.13 CPU); rounded up. Counted on CPU ranks (their
-    device memory is host RAM) and in host RAM per node on CUDA ranks."""
+    cpu_process_bytes: int = 430 * 2**20
+    """Resident memory of a CPU rank with everything imported (torch, transformers' model code, DeepSpeed and
+    its CPU ops, the gloo group) before any tensor: 423-425 MiB measured on every rank of every run of
+    benchmarks/rss_validation.py here (torch 2.13, DeepSpeed 0.19.8, transformers 4.57; §5.4)."""
+    cuda_process_host_bytes: int = GIB
+    """Host resident memory of a GPU rank before any tensor: the CPU figure plus the CUDA runtime and the
+    kernel libraries it maps. A prior, not measured by zerorun (§5.2)."""
+    cpu_overhead_bytes: int = 32 * 2**20
+    """CPU ranks: what a rank's resident set grows by beyond its tensors in training: code paged in by the
+    backward and optimizer kernels, small Python and allocator bookkeeping (35-41 MiB measured at ZeRO-0 where
+    the activations live in their own mappings; §5.4)."""
+    cpu_zero_overhead_bytes: int = 32 * 2**20
+    """CPU ranks at ZeRO ≥ 1: the ZeRO optimizer's start-up adds resident memory with no tensor behind it
+    (+48 MiB at "built" on tiny GPT-2; 74-80 MiB overhead in all measured at ZeRO-1/2; §5.4)."""
+    heap_retention: float = 2.0
+    """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
+    the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
+    environment: str = ""
+    """What corrections are only valid for: versions of torch, DeepSpeed, transformers and zerorun."""
+    corrections: Tuple[Tuple[str, int], ...] = ()
+    """Measured on this machine (zerorun-calibrate): (correction_key, measured − estimated bytes)."""
+
+    def correction(self, key: str) -> Optional[int]:
+        return next((c for k, c in self.corrections if k == key), None)
 
 
 DEFAULT_CALIBRATION = Calibration()
-OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime")
+OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
+             "heap retention", "measured correction (this machine)")
+
+
+def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -> str:
+    """What a measured correction depends on (§5.5): the architecture, the batch shape, precision, ZeRO stage
+    and offload, the device model and the software versions. Not the world size: the probe runs one rank."""
+    import hashlib
+    import json
+
+    m = cfg.model
+    parts = {"arch": [Family(m.family).value, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size,
+                      m.vocab_size, m.max_positions, m.dropout], "task": plan.task.value,
+             "labels": cfg.task.num_labels, "seq": plan.seq_len, "micro": plan.micro_batch_size,
+             "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
+             "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
+             "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
+             "environment": environment}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def gib(n: float) -> str:
@@ -81,6 +121,8 @@ class Estimate:
     notes: List[str] = field(default_factory=list)
     stages: List[Dict[str, Any]] = field(default_factory=list)
     """parallel=pipeline: each stage's layers, 1F1B depth, peak and breakdown (the estimate is the worst one)."""
+    calibration: str = "prior"
+    """"calibrated on this machine" when a measured correction applied, else "prior"."""
 
     def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
         """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
@@ -110,7 +152,10 @@ class Estimate:
             "config": dict(self.summary),
             "notes": list(self.notes),
             **({"pipeline_stages": list(self.stages)} if self.stages else {}),
-            "source": "zerorun.memory (docs/memory.md §1-§6); GPU overheads are uncalibrated priors (§5.2)",
+            "calibration": {"source": "calibrated" if self.calibration != "prior" else "prior",
+                            "what": self.calibration,
+                            "correction_bytes": self.components.get("measured correction (this machine)", 0)},
+            "source": "zerorun.memory (docs/memory.md §1-§6)",
         }
 
 
@@ -217,7 +262,8 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     if bd.word_embedding:
         # A pipeline's first stage still holds its other in-flight micro-batches here.
         others = act.saved - act.saved // act.in_flight
-        phases["embedding grad"] = phase([*persistent.items(), ("activations", act.outside_layers + others),
+        phases["embedding grad"] = phase([*_embedding_grad_states(cfg, plan, bd, persistent, part).items(),
+                                          ("activations", act.outside_layers + others),
                                           ("embedding grad transient", embedding_grad_transient(cfg, plan, bd)),
                                           *bwd.buffers])
     if stage == 0:
@@ -231,6 +277,32 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     return phases
 
 
+def _zero3_regather_heap(cfg: RunConfig, bd: ParamBreakdown) -> int:
+    """CPU ranks, ZeRO-3 in 16-bit with checkpointing: recomputation gathers every layer's parameters a
+    second time in backward, and the heap keeps about one more copy of the 16-bit layers resident
+    (measured on GPT-2 small: 208 MiB above live tensors, 162 MiB predicted; tiny GPT-2 2 MiB; §5.4)."""
+    if cfg.zero.stage != 3 or Dtype(cfg.precision.dtype) == Dtype.fp32 or not cfg.trainer.activation_checkpointing:
+        return 0
+    return bd.num_layers * bd.per_layer * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+
+
+def _embedding_grad_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, persistent: "OrderedDict[str, int]",
+                           part: int) -> "OrderedDict[str, int]":
+    """The states alive when the word embedding's gradient is formed, at the end of backward. ZeRO-0/1 hold
+    full gradients, but without accumulation the tied embedding's is still the transient's (§3.6), not yet
+    in param.grad; ZeRO-1 on several ranks allocates its gradient partition only in the reduce that follows
+    (measured on 2 CPU ranks: both were counted, 384 MiB too much for GPT-2 small in fp32)."""
+    stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    if stage > 1 or "gradients" not in persistent:
+        return persistent
+    grads = persistent["gradients"]
+    if plan.grad_accum_steps == 1 and bd.tied_embedding:
+        grads -= bd.tied_embedding * g
+    if stage == 1 and plan.data_parallel_size > 1 and not plan.offload_optimizer:
+        grads -= part * g
+    return phase([*((k, v) for k, v in persistent.items() if k != "gradients"), ("gradients", grads)])
+
+
 def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
                      act: Activations, states: ModelStates, phases: "OrderedDict[str, Phase]", notes: List[str],
                      built_params: int) -> Estimate:
@@ -240,12 +312,17 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     alloc_peak = sum(phases[peak_phase].values())
     comps = OrderedDict(sorted(phases[peak_phase].items(), key=lambda kv: -kv[1]))
-    host_components = phase([*host_steady.items(), ("process runtime", cal.cpu_process_bytes)])
+    host_components = phase([*host_steady.items(), ("process runtime", cal.cpu_process_bytes
+                                                    if world.accelerator == "cpu" else cal.cuda_process_host_bytes)])
     if world.accelerator == "cpu":
+        # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
+        # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
-        per_rank = alloc_peak + cal.cpu_process_bytes
-        capacity = hw.host_mem_bytes // max(1, world.nproc_per_node)
-        host_node = per_rank * world.nproc_per_node
+        comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, bd)
+        comps["allocator and runtime overhead"] = cal.cpu_overhead_bytes + \
+            (cal.cpu_zero_overhead_bytes if cfg.zero.stage >= 1 else 0)
+        per_rank = sum(comps.values())
+        capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"
     else:
         comps["allocator margin"] = int(cal.allocator_margin * alloc_peak)
@@ -254,11 +331,18 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             comps["NCCL buffers"] = cal.nccl_bytes
         per_rank = sum(comps.values())
         capacity = hw.gpu_mem_bytes
+        device = "cuda"
+    correction = cal.correction(correction_key(cfg, plan, hw, cal.environment)) if cal.corrections else None
+    if correction is not None:
+        comps["measured correction (this machine)"] = correction  # may be negative: the prior was high
+        per_rank += correction
+    if world.accelerator == "cpu":
+        host_node = per_rank * world.nproc_per_node
+    else:
         # build_model() makes fp32 weights on the host on every rank before DeepSpeed takes them
         host_init = built_params * 4 + bd.buffer_bytes
-        host_node = (max(sum(host_steady.values()), host_init) + cal.cpu_process_bytes) * world.nproc_per_node
-        device = "cuda"
-    host_cap = hw.host_mem_bytes
+        host_node = (max(sum(host_steady.values()), host_init) + cal.cuda_process_host_bytes) * world.nproc_per_node
+    host_cap = hw.host_usable_bytes
     fits_device = capacity > 0 and per_rank <= capacity
     fits_host = host_cap <= 0 or host_node <= host_cap
     notes = list(notes)
@@ -279,4 +363,5 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     fits=fits_device and fits_host, device=device, peak_phase=peak_phase, phases=dict(phases),
                     host_components=host_components, host_capacity_bytes=int(host_cap), fits_device=fits_device,
                     fits_host=fits_host, model_state_bytes=int(states.model_state_bytes), params=bd.total,
-                    summary=summary, notes=notes)
+                    summary=summary, notes=notes,
+                    calibration="calibrated on this machine" if correction is not None else "prior")

@@ -214,6 +214,8 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     the estimate is only recorded.
     """
     mode = GateMode(mode if mode is not None else cfg.gate)
+    if mode == GateMode.calibrate:  # the measurement happened before (zerorun.calibration); then strict
+        mode = GateMode.strict
     est = estimate(cfg, plan, hw, cal=cal)
     if mode == GateMode.off:
         return GateDecision(True, mode, cfg, est, est, message="memory gate off: estimate recorded only.")

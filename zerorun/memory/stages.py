@@ -157,6 +157,7 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
         buffers += hidden  # grad_layer: the output gradient received from the next stage
     # The pipeline's GPT-2 blocks run without the KV cache (zerorun.pipeline.GPT2BlockPipe: use_cache=False).
     stage_act = dataclasses.replace(act, per_layer=act.recompute_layer, outside_layers=outside,
+                                    small_outside=act.small_outside if (first or last) else 0,
                                     outside_first=act.outside_first if first else 0, num_layers=st.blocks,
                                     logits_loss=act.logits_loss if last else 0, in_flight=st.in_flight,
                                     boundary=0 if last else act.checkpoint_per_layer, pipe_buffers=int(buffers))

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ..rundir import RunDir
-from ..telemetry import TRACK_MEMORY_ENV, accelerator_peak_bytes, model_state_bytes, peak_rss_bytes
+from ..telemetry import TRACK_MEMORY_ENV
 from .export import export
+from .memory_report import compare_with_estimate, gather_memory, oom_lines
 from .trainer import Trainer
 
-MILESTONES = ("ready", "built", "first step", "trained", "evaluated", "exported")
 MEASURES = ("accelerator_peak_allocated_bytes = torch.cuda.max_memory_allocated (0 on CPU); peak_rss_bytes = the "
             "rank process's peak resident set (getrusage: includes Python, torch and DeepSpeed themselves); "
             "model_state_bytes = the parameter, fp32-master and optimizer-state tensors DeepSpeed holds on the rank "
@@ -55,38 +55,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_dir.write_summary(summary)
         print(f"zerorun: done. final loss {summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
               f"summary in {run_dir.file('summary.json')}", file=sys.stderr)
+        for line in oom_lines(summary["memory_vs_estimate"]):
+            print(f"zerorun: {line}", file=sys.stderr)
     trainer.dist.barrier()
     release_cpu_shm(trainer)
     return 0
-
-
-def gather_memory(trainer: Trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any]]:
-    """Every rank's memory figures, on every rank (one all-gather)."""
-    import torch
-
-    states = model_state_bytes(trainer.engine)
-    stage = trainer.engine.stage_id if trainer.strategy.pipeline else -1
-    marks = [trainer.rss.points.get(name, 0) for name in MILESTONES]
-    mine = torch.tensor([peak_rss_bytes(), accelerator_peak_bytes(), states["parameters"],
-                         states["persistent parameters"], states["fp32 master copies"], states["optimizer states"],
-                         (live or {}).get("init", 0), (live or {}).get("train", 0), stage, *marks],
-                        dtype=torch.float64)
-    gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]
-    trainer.dist.all_gather(gathered, mine)
-    out = []
-    for r, g in enumerate(gathered):
-        g = [int(x) for x in g.tolist()]
-        row: Dict[str, Any] = {"rank": r, "peak_rss_bytes": g[0], "accelerator_peak_allocated_bytes": g[1],
-                               "model_state_bytes": {"parameters": g[2], "persistent_parameters": g[3],
-                                                     "fp32_master": g[4], "optimizer_states": g[5]}}
-        # The peak RSS so far as the rank passed each point: which part of the run set the peak.
-        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[9:]))
-        if live is not None:
-            row["live_tensor_peak_bytes"] = {"init": g[6], "train": g[7]}
-        if trainer.strategy.pipeline:
-            row["pipeline_stage"] = g[8]
-        out.append(row)
-    return out
 
 
 def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[str, Any]], export_dir: Optional[str],
@@ -110,6 +83,7 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "peak_memory_measures": measures,
         "estimated_components": estimate.get("components"),
         "estimated_peak_bytes": estimate.get("per_rank_peak_bytes"),
+        "memory_vs_estimate": compare_with_estimate(estimate, memory),
         "checkpoint": result["checkpoint"],
         "export": export_dir,
         "wall_time_s": wall_time_s,

@@ -1,0 +1,183 @@
+"""Calibrate the memory gate on this machine: measure what it predicts, once, and keep the difference.
+
+``zerorun-calibrate <overrides>`` (or ``gate=calibrate``) runs the composed config for a few steps as one
+rank of this machine, with the real rank code (``python -m zerorun.train`` on a probe run dir), reads the
+figure that runs out (a CPU rank's peak RSS; a GPU rank's reserved peak + what lives outside the
+allocator) and stores measured − estimated under the config's correction key (memory.correction_key: the
+architecture, batch shape, precision, ZeRO stage and offload, the device model and the software versions)
+in ``<cache>/calibration.json``. Later estimates with the same key add it as a named component and say
+"calibrated on this machine". docs/memory.md §5.5.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from .config import RunConfig, World, make_plan
+from .hardware import Hardware
+from .memory import DEFAULT_CALIBRATION, Calibration, correction_key, estimate
+from .rundir import RunDir, write_atomic
+
+CACHE_NAME = "calibration.json"
+PROBE_STEPS = 3
+
+
+def environment() -> str:
+    """The software a correction is valid for (read from package metadata: nothing heavy is imported)."""
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "-"
+    return ",".join(f"{n}={version(n)}" for n in ("torch", "deepspeed", "transformers", "zerorun"))
+
+
+def cache_file(cfg: RunConfig) -> Path:
+    from .data import cache_root
+
+    return cache_root(cfg.data) / CACHE_NAME
+
+
+def load(path: Path) -> Dict[str, Dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def calibration_for(cfg: RunConfig) -> Calibration:
+    """The gate's terms with every correction measured on this machine for this software (pure otherwise)."""
+    env = environment()
+    records = load(cache_file(cfg))
+    corrections = tuple((k, int(r["correction_bytes"])) for k, r in sorted(records.items())
+                        if r.get("environment") == env)
+    return dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
+
+
+def probe_config(cfg: RunConfig) -> RunConfig:
+    """The config as one rank runs it for a few steps: data parallel, nothing saved or exported."""
+    tr = dataclasses.replace(cfg.trainer, max_steps=PROBE_STEPS, save_every=0, eval_every=0, export=False,
+                             progress=False, resume=False, resume_from="", global_batch_size=None, warmup_steps=1)
+    la = dataclasses.replace(cfg.launcher, nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                             hostfile="")
+    par = dataclasses.replace(cfg.parallel, mode=type(cfg.parallel.mode).dp, stages=1, micro_batches=0)
+    return dataclasses.replace(cfg, trainer=tr, launcher=la, parallel=par, dry_run=False)
+
+
+def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict[str, Any]:
+    """Run the probe and store its correction; returns the record."""
+    from omegaconf import OmegaConf
+
+    from . import launcher
+    from .ds_config import render
+    from .train.memory_report import compare_with_estimate
+
+    pcfg = probe_config(cfg)
+    world = World(nproc_per_node=1, nnodes=1, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
+    plan = make_plan(pcfg, world)
+    prior = dataclasses.replace(DEFAULT_CALIBRATION, environment=environment())
+    est = estimate(pcfg, plan, hw, cal=prior)
+    key = correction_key(pcfg, plan, hw, prior.environment)
+    rd = RunDir(work)
+    rd.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(pcfg)), plan=plan.to_json(),
+                    ds_config=render(pcfg, plan), estimate=est.to_json(), prepared=prepared.to_json(), resume=None)
+    lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=1, accelerator=hw.accelerator,
+                             master_port=launcher.free_port(), threads_per_rank=max(1, hw.cpu_cores))
+    _, env = launcher.build_command(lp)
+    # One process, no launcher in between: the rank reads its place from the environment.
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(lp.master_port))
+    log(f"calibrating on this machine ({hw.device_name or hw.accelerator}): {PROBE_STEPS} steps of "
+        f"{cfg.model.name} on one rank ...")
+    t0 = time.perf_counter()
+    with open(work / "probe.log", "w") as out:
+        rc = subprocess.run([sys.executable, "-m", "zerorun.train", str(work)], env={**os.environ, **env},
+                            stdout=out, stderr=subprocess.STDOUT).returncode
+    if hw.accelerator == "cpu":
+        launcher.release_cpu_shm("127.0.0.1", lp.master_port)
+    summary = rd.read_summary()
+    if rc != 0 or summary is None:
+        tail = (work / "probe.log").read_text()[-2000:]
+        raise RuntimeError(f"the calibration probe failed (exit {rc}); its log ends:\n{tail}")
+    [row] = compare_with_estimate(rd.read_estimate(), summary["peak_memory"])
+    record = {"correction_bytes": int(row["measured_bytes"] - row["estimated_bytes"]),
+              "measured_bytes": int(row["measured_bytes"]), "estimated_bytes": int(row["estimated_bytes"]),
+              "measure": row["measure"], "environment": prior.environment, "device": hw.device_name,
+              "model": cfg.model.name, "seconds": round(time.perf_counter() - t0, 1),
+              "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = cache_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load(path)
+    records[key] = record
+    write_atomic(path, json.dumps(records, indent=2) + "\n")
+    return {"key": key, **record}
+
+
+def has_correction(cfg: RunConfig, hw: Hardware, cal: Calibration) -> Optional[int]:
+    """The stored correction for ``cfg`` on this machine, if any."""
+    pcfg = probe_config(cfg)
+    plan = make_plan(pcfg, World(1, 1, hw.accelerator, hw.fp16_ok))
+    return cal.correction(correction_key(pcfg, plan, hw, cal.environment))
+
+
+USAGE = """usage: zerorun-calibrate [--list] <overrides as for zerorun>
+
+Runs the composed config for a few steps as one rank of this machine and stores the difference between
+the memory it used and the gate's estimate; later zerorun gates and sweeps with the same model, batch
+shape, precision, ZeRO stage and offload on this machine use it ("calibrated on this machine").
+--list shows what is stored. Exit codes: 0 done; 2 bad config; 1 the probe failed."""
+
+
+def main(argv=None) -> int:
+    import tempfile
+
+    from .config import ConfigError, UserError, check, compose, plan_world
+    from .data import prepare
+    from .hardware import GIB, detect
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    listing = "--list" in args
+    args = [a for a in args if a != "--list"]
+    try:
+        cfg = compose(args)
+        if listing:
+            for key, r in load(cache_file(cfg)).items():
+                print(f"{key}  {r['model']:12s} {r['measure']}: measured {r['measured_bytes'] / GIB:.2f} GiB, "
+                      f"estimated {r['estimated_bytes'] / GIB:.2f}, correction {r['correction_bytes'] / 2**20:+.0f} MiB"
+                      f"  ({r['device']}, {r['when']})")
+            return 0
+        hw = detect()
+        problems = check(probe_config(cfg), plan_world(probe_config(cfg), hw))
+        if problems:
+            raise ConfigError(problems)
+        prepared = prepare(cfg.data, cfg.model, cfg.seed, make_plan(cfg, plan_world(cfg, hw)).task.value,
+                           cfg.task.num_labels)
+    except UserError as e:
+        for p in (e.problems if isinstance(e, ConfigError) else [e]):
+            print(f"zerorun-calibrate: error: {p}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="zerorun-calibrate-") as work:
+        try:
+            r = probe(cfg, hw, prepared, Path(work), log=lambda m: print(f"zerorun-calibrate: {m}", file=sys.stderr))
+        except RuntimeError as e:
+            print(f"zerorun-calibrate: {e}", file=sys.stderr)
+            return 1
+    print(f"{cfg.model.name} on {hw.device_name or hw.accelerator}: {r['measure']} measured "
+          f"{r['measured_bytes'] / GIB:.3f} GiB, estimated {r['estimated_bytes'] / GIB:.3f} GiB "
+          f"({100 * (r['estimated_bytes'] - r['measured_bytes']) / r['measured_bytes']:+.1f}%); correction "
+          f"{r['correction_bytes'] / 2**20:+.0f} MiB stored in {cache_file(cfg)} ({r['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
