@@ -44,6 +44,14 @@ def long_rows(path: Path) -> Path:
 def points(which: str, data_dir: Path) -> List[List[str]]:
     bert_data = [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
     out: List[List[str]] = []
+    if which == "ci":  # tests/e2e/test_rss_estimate.py: one of each kind, tiny models
+        return [["+model=tiny-gpt2", "zero=stage0", "data.seq_len=256", "trainer.micro_batch_size=4"],
+                ["+model=tiny-gpt2", "zero=stage2", "precision=bf16", "trainer.activation_checkpointing=true",
+                 "data.seq_len=256"],
+                ["+model=tiny-gpt2", "zero=stage3", "offload=cpu", "precision=bf16", "data.seq_len=128"],
+                ["+model=tiny-bert", "zero=stage2", "data.seq_len=256", *bert_data],
+                ["+model=tiny-gpt2", "zero=stage1", "launcher.nproc_per_node=1", "data.seq_len=256"],
+                ["+model=tiny-gpt2", "parallel=pipeline", "parallel.micro_batches=4", "data.seq_len=128"]]
     grid = [(z, p, c) for z in (0, 1, 2, 3) for p in ("fp32", "bf16") for c in ("false", "true")]
     if which in ("quick", "full"):
         for z, p, c in grid if which == "full" else grid[::3]:
@@ -67,11 +75,15 @@ def points(which: str, data_dir: Path) -> List[List[str]]:
     return out
 
 
-def run_point(overrides: List[str], work: Path, env: Dict[str, str]) -> List[Dict]:
+def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated: bool = False) -> List[Dict]:
     run_dir = Path(tempfile.mkdtemp(dir=work))
-    cmd = [str(BIN / "zerorun"), *BASE, *overrides, f"hydra.run.dir={run_dir}"]
-    if not any(o.startswith("launcher.nproc_per_node") for o in overrides):
-        cmd.append("launcher.nproc_per_node=2")
+    ranks = [] if any(o.startswith("launcher.nproc_per_node") for o in overrides) else ["launcher.nproc_per_node=2"]
+    cmd = [str(BIN / "zerorun"), *BASE, *overrides, *ranks, f"hydra.run.dir={run_dir}"]
+    if calibrated:
+        cal = subprocess.run([str(BIN / "zerorun-calibrate"), *BASE, *overrides, *ranks], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+        if cal.returncode != 0:
+            raise RuntimeError(f"calibrating {' '.join(overrides)} failed:\n{cal.stdout[-3000:]}")
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stdout[-3000:]}")
@@ -112,18 +124,24 @@ def rescore(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def errors(rows: List[Dict]) -> List[float]:
+    return [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
+
+
 def summarize(rows: List[Dict]) -> List[str]:
-    errors = [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
-    under = [-e for e in errors if e < 0]
-    return [f"{len(rows)} ranks: median |error| {100 * statistics.median(abs(e) for e in errors):.1f}%, worst "
-            f"{100 * max(abs(e) for e in errors):.1f}%, under-estimated on {len(under)} "
+    errors_ = errors(rows)
+    under = [-e for e in errors_ if e < 0]
+    return [f"{len(rows)} ranks: median |error| {100 * statistics.median(abs(e) for e in errors_):.1f}%, worst "
+            f"{100 * max(abs(e) for e in errors_):.1f}%, under-estimated on {len(under)} "
             f"(largest {100 * max(under, default=0):.1f}%)"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", default="quick", choices=("quick", "full", "gpt2"))
+    ap.add_argument("--set", default="quick", choices=("ci", "quick", "full", "gpt2"))
     ap.add_argument("--out", help="append every rank's row as JSON lines")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="run zerorun-calibrate on each point first (a fresh calibration cache), then the run")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
     ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
                                                    "estimator")
@@ -142,13 +160,20 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     if args.track:
         env["ZERORUN_TRACK_MEMORY"] = "1"
+    if args.calibrated:
+        env["ZERORUN_CACHE"] = str(work / "cache")
     rows: List[Dict] = []
     print(f"{'config':92s} {'rank':>4s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak phase     (MiB)")
     for i, ovs in enumerate(points(args.set, work)):
         if args.only and i not in args.only:
             continue
         t0 = time.perf_counter()
-        for r in run_point(ovs, work, env):
+        try:
+            point_rows = run_point(ovs, work, env, args.calibrated)
+        except RuntimeError as e:  # report and go on: one crashed run should not cost the whole matrix
+            print(f"{' '.join(ovs)[:92]:92s} FAILED: {str(e).splitlines()[0]}", flush=True)
+            continue
+        for r in point_rows:
             rows.append(r)
             err = (r["estimate"] - r["measured"]) / r["measured"]
             print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "

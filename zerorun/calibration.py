@@ -1,12 +1,14 @@
 """Calibrate the memory gate on this machine: measure what it predicts, once, and keep the difference.
 
-``zerorun-calibrate <overrides>`` (or ``gate=calibrate``) runs the composed config for a few steps as one
-rank of this machine, with the real rank code (``python -m zerorun.train`` on a probe run dir), reads the
-figure that runs out (a CPU rank's peak RSS; a GPU rank's reserved peak + what lives outside the
-allocator) and stores measured − estimated under the config's correction key (memory.correction_key: the
-architecture, batch shape, precision, ZeRO stage and offload, the device model and the software versions)
-in ``<cache>/calibration.json``. Later estimates with the same key add it as a named component and say
-"calibrated on this machine". docs/memory.md §5.5.
+``zerorun-calibrate <overrides>`` (or ``gate=calibrate``) runs the composed config for a few steps on this
+node, as the launch would (its ranks per node, one process each, the real rank code), reads the figure
+that runs out on every rank (a CPU rank's peak RSS; a GPU rank's reserved peak + what lives outside the
+allocator) and stores the worst rank's measured − estimated under the config's correction key
+(memory.correction_key: the architecture, batch shape, precision, ZeRO stage and offload, the ranks and
+layout on a node, the device model and the software versions) in ``<cache>/calibration.json``. Later
+estimates with the same key add it as a named component and say "calibrated on this machine".
+Why not one process: a one-rank probe of GPT-2 small (bf16, ZeRO-2) measured +145 MiB over its estimate
+where the same config on 2 ranks is +35 MiB: the residual depends on the ranks. docs/memory.md §5.5.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .config import RunConfig, World, make_plan
+from .config import RunConfig, make_plan, plan_world
 from .hardware import Hardware
 from .memory import DEFAULT_CALIBRATION, Calibration, correction_key, estimate
 from .rundir import RunDir, write_atomic
@@ -61,13 +63,17 @@ def calibration_for(cfg: RunConfig) -> Calibration:
     return dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
 
 
-def probe_config(cfg: RunConfig) -> RunConfig:
-    """The config as one rank runs it for a few steps: data parallel, nothing saved or exported."""
+def probe_config(cfg: RunConfig, hw: Hardware) -> RunConfig:
+    """The config as this node's ranks run it for a few steps: one node, nothing saved or exported, no
+    accumulation (a pipeline keeps one micro-batch per stage)."""
+    nproc = plan_world(cfg, hw, nodes=1).nproc_per_node
     tr = dataclasses.replace(cfg.trainer, max_steps=PROBE_STEPS, save_every=0, eval_every=0, export=False,
                              progress=False, resume=False, resume_from="", global_batch_size=None, warmup_steps=1)
-    la = dataclasses.replace(cfg.launcher, nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1",
-                             hostfile="")
-    par = dataclasses.replace(cfg.parallel, mode=type(cfg.parallel.mode).dp, stages=1, micro_batches=0)
+    la = dataclasses.replace(cfg.launcher, nproc_per_node=nproc, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                             hostfile="", master_port=None)
+    par = cfg.parallel
+    if par.mode.value == "pipeline":
+        par = dataclasses.replace(par, micro_batches=max(par.stages, 1))
     return dataclasses.replace(cfg, trainer=tr, launcher=la, parallel=par, dry_run=False)
 
 
@@ -79,8 +85,8 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     from .ds_config import render
     from .train.memory_report import compare_with_estimate
 
-    pcfg = probe_config(cfg)
-    world = World(nproc_per_node=1, nnodes=1, accelerator=hw.accelerator, fp16_ok=hw.fp16_ok)
+    pcfg = probe_config(cfg, hw)
+    world = plan_world(pcfg, hw, nodes=1)
     plan = make_plan(pcfg, world)
     prior = dataclasses.replace(DEFAULT_CALIBRATION, environment=environment())
     est = estimate(pcfg, plan, hw, cal=prior)
@@ -88,25 +94,28 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     rd = RunDir(work)
     rd.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(pcfg)), plan=plan.to_json(),
                     ds_config=render(pcfg, plan), estimate=est.to_json(), prepared=prepared.to_json(), resume=None)
-    lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=1, accelerator=hw.accelerator,
-                             master_port=launcher.free_port(), threads_per_rank=max(1, hw.cpu_cores))
-    _, env = launcher.build_command(lp)
-    # One process, no launcher in between: the rank reads its place from the environment.
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(lp.master_port))
+    lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=world.nproc_per_node,
+                             accelerator=hw.accelerator, master_port=launcher.free_port(),
+                             threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node),
+                             bin_dir=launcher.default_bin_dir())
+    argv, env = launcher.build_command(lp)
     log(f"calibrating on this machine ({hw.device_name or hw.accelerator}): {PROBE_STEPS} steps of "
-        f"{cfg.model.name} on one rank ...")
+        f"{cfg.model.name} on {world.nproc_per_node} rank(s) ...")
     t0 = time.perf_counter()
     with open(work / "probe.log", "w") as out:
-        rc = subprocess.run([sys.executable, "-m", "zerorun.train", str(work)], env={**os.environ, **env},
-                            stdout=out, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True).returncode
     if hw.accelerator == "cpu":
         launcher.release_cpu_shm("127.0.0.1", lp.master_port)
     summary = rd.read_summary()
     if rc != 0 or summary is None:
-        tail = (work / "probe.log").read_text()[-2000:]
-        raise RuntimeError(f"the calibration probe failed (exit {rc}); its log ends:\n{tail}")
-    [row] = compare_with_estimate(rd.read_estimate(), summary["peak_memory"])
+        kept = cache_file(cfg).with_name("calibration-failed.log")
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text((work / "probe.log").read_text())
+        raise RuntimeError(f"the calibration probe failed (exit {rc}); its whole log is in {kept}, ending:\n"
+                           + kept.read_text()[-2000:])
+    rows = compare_with_estimate(rd.read_estimate(), summary["peak_memory"])
+    row = max(rows, key=lambda r: r["measured_bytes"] - r["estimated_bytes"])  # the gate must cover every rank
     record = {"correction_bytes": int(row["measured_bytes"] - row["estimated_bytes"]),
               "measured_bytes": int(row["measured_bytes"]), "estimated_bytes": int(row["estimated_bytes"]),
               "measure": row["measure"], "environment": prior.environment, "device": hw.device_name,
@@ -122,8 +131,8 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
 
 def has_correction(cfg: RunConfig, hw: Hardware, cal: Calibration) -> Optional[int]:
     """The stored correction for ``cfg`` on this machine, if any."""
-    pcfg = probe_config(cfg)
-    plan = make_plan(pcfg, World(1, 1, hw.accelerator, hw.fp16_ok))
+    pcfg = probe_config(cfg, hw)
+    plan = make_plan(pcfg, plan_world(pcfg, hw, nodes=1))
     return cal.correction(correction_key(pcfg, plan, hw, cal.environment))
 
 
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
                       f"  ({r['device']}, {r['when']})")
             return 0
         hw = detect()
-        problems = check(probe_config(cfg), plan_world(probe_config(cfg), hw))
+        problems = check(probe_config(cfg, hw), plan_world(probe_config(cfg, hw), hw))
         if problems:
             raise ConfigError(problems)
         prepared = prepare(cfg.data, cfg.model, cfg.seed, make_plan(cfg, plan_world(cfg, hw)).task.value,

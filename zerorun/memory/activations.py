@@ -84,7 +84,7 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
     CUDA: flash (16-bit) or memory-efficient (fp32) kernels; both support dropout and save q, k, v,
     out and an fp32 log-sum-exp, never the a·s² matrices (§3.3; flash_attn_interface saves
-    ``q, k, v, out, softmax_lse, rng_state``). Not yet checked on a GPU (§8.3).
+    ``q, k, v, out, softmax_lse, rng_state``). Not yet checked on a GPU (§8.4).
     CPU: the flash kernel has no dropout, so training with dropout > 0 falls back to the math path,
     which upcasts to fp32 and saves the s² tensors (§3.4 row "SDPA (dropout 0.1), CPU"; measured).
     """

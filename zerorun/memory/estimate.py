@@ -31,7 +31,7 @@ Phase = "OrderedDict[str, int]"
 class Calibration:
     """The terms no tensor count gives: what lives outside PyTorch's allocator, what the allocator keeps
     beyond live tensors, and measured corrections for this machine (§5.2-§5.5). GPU terms are priors until
-    a calibration on the GPU replaces them."""
+    a calibration on the GPU replaces them (§5.5)."""
 
     cuda_context_bytes: int = GIB // 2
     """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5.2)."""
@@ -72,7 +72,8 @@ OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtim
 
 def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -> str:
     """What a measured correction depends on (§5.5): the architecture, the batch shape, precision, ZeRO stage
-    and offload, the device model and the software versions. Not the world size: the probe runs one rank."""
+    and offload, the ranks and layout on a node, the device model and the software versions. Not the number of
+    nodes: the probe runs one node."""
     import hashlib
     import json
 
@@ -83,6 +84,7 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
              "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
              "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
+             "node": [plan.world.nproc_per_node, plan.pipeline_stages],
              "environment": environment}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
