@@ -100,7 +100,9 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                      "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
                      "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
                                                                       if k in OVERHEADS),
-                     "calibrated": est.get("calibration", {}).get("source") == "calibrated"})
+                     "calibrated": est.get("calibration", {}).get("source") == "calibrated",
+                     "calibration": est.get("calibration", {}).get("what", ""),
+                     "process_runtime": e["components"].get("process runtime", 0)})
     return rows
 
 

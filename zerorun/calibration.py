@@ -28,6 +28,7 @@ from .memory import DEFAULT_CALIBRATION, Calibration, correction_key, estimate
 from .rundir import RunDir, write_atomic
 
 CACHE_NAME = "calibration.json"
+BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
 
 
@@ -54,13 +55,54 @@ def load(path: Path) -> Dict[str, Dict[str, Any]]:
         return {}
 
 
-def calibration_for(cfg: RunConfig) -> Calibration:
-    """The gate's terms with every correction measured on this machine for this software (pure otherwise)."""
+def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibration:
+    """The gate's terms with what was measured on this machine for this software: every stored correction,
+    and on CPU ranks (``hw`` given) the process baseline (pure otherwise)."""
     env = environment()
     records = load(cache_file(cfg))
     corrections = tuple((k, int(r["correction_bytes"])) for k, r in sorted(records.items())
-                        if r.get("environment") == env)
-    return dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
+                        if r.get("environment") == env and "correction_bytes" in r)
+    cal = dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
+    baseline = records.get(baseline_key(cfg, hw)) if hw is not None and hw.accelerator == "cpu" else None
+    if baseline and baseline.get("environment") == env:
+        cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
+    return cal
+
+
+def baseline_key(cfg: RunConfig, hw: Hardware) -> str:
+    return f"{BASELINE}|{hw.device_name or hw.accelerator}|{cfg.model.family.value}"
+
+
+def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
+    """CPU ranks: measure a rank's process baseline on this machine once per software and model family
+    (python -m zerorun.train.baseline, ~6 s) and store it beside the corrections. A failed measurement is
+    reported and the prior stays: it must never stop a launch."""
+    from . import launcher
+
+    path = cache_file(cfg)
+    key, env = baseline_key(cfg, hw), environment()
+    if hw.accelerator != "cpu" or load(path).get(key, {}).get("environment") == env:
+        return
+    log("measuring a CPU rank's process baseline on this machine (once per machine and software) ...")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", cfg.model.family.value],
+                              env={**os.environ, **launcher.rank_env("cpu", 1)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, timeout=600, start_new_session=True)
+        measured = int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError, KeyError) as e:
+        tail = locals().get("proc") and proc.stderr[-500:]
+        log(f"warning: could not measure the process baseline ({e or type(e).__name__}); the gate uses its "
+            f"prior {DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB. {tail or ''}".strip())
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load(path)
+    records[key] = {"baseline_bytes": measured, "environment": env, "device": hw.device_name,
+                    "model": cfg.model.family.value, "measure": "VmHWM of a rank at ready",
+                    "seconds": round(time.perf_counter() - t0, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_atomic(path, json.dumps(records, indent=2) + "\n")
+    log(f"process baseline: {measured / 2**20:.0f} MiB per CPU rank (prior "
+        f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB), stored in {path}.")
 
 
 def probe_config(cfg: RunConfig, hw: Hardware) -> RunConfig:
@@ -88,7 +130,8 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     pcfg = probe_config(cfg, hw)
     world = plan_world(pcfg, hw, nodes=1)
     plan = make_plan(pcfg, world)
-    prior = dataclasses.replace(DEFAULT_CALIBRATION, environment=environment())
+    ensure_baseline(cfg, hw, log=log)  # the correction is measured over the machine's own baseline
+    prior = dataclasses.replace(calibration_for(cfg, hw), corrections=())
     est = estimate(pcfg, plan, hw, cal=prior)
     key = correction_key(pcfg, plan, hw, prior.environment)
     rd = RunDir(work)
@@ -161,6 +204,9 @@ def main(argv=None) -> int:
         cfg = compose(args)
         if listing:
             for key, r in load(cache_file(cfg)).items():
+                if "baseline_bytes" in r:
+                    print(f"{key}  process baseline {r['baseline_bytes'] / 2**20:.0f} MiB  ({r['device']}, {r['when']})")
+                    continue
                 print(f"{key}  {r['model']:12s} {r['measure']}: measured {r['measured_bytes'] / GIB:.2f} GiB, "
                       f"estimated {r['estimated_bytes'] / GIB:.2f}, correction {r['correction_bytes'] / 2**20:+.0f} MiB"
                       f"  ({r['device']}, {r['when']})")

@@ -87,7 +87,10 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     from .memory import gate
 
     plan_hw = resolve_hardware(cfg.hardware, hw)
-    cal = calibration.calibration_for(cfg)
+    here = plan_hw.device_name == hw.device_name and plan_hw.accelerator == hw.accelerator
+    if here and not cfg.dry_run and cfg.gate != GateMode.off:
+        calibration.ensure_baseline(cfg, hw, log=say)
+    cal = calibration.calibration_for(cfg, hw if here else None)
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
@@ -96,7 +99,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
             say(f"calibrated in {record['seconds']:.0f} s: {record['measure']} {record['measured_bytes'] / GIB:.2f} GiB "
                 f"measured, {record['estimated_bytes'] / GIB:.2f} GiB estimated; the correction "
                 f"({record['correction_bytes'] / 2**20:+.0f} MiB) applies from now on (calibration.json).")
-            cal = calibration.calibration_for(cfg)
+            cal = calibration.calibration_for(cfg, hw)
     gate_world = plan_world(cfg, plan_hw)
     if gate_world.size != world.size or plan_hw.accelerator != world.accelerator:
         say(f"memory gate plans for the declared hardware: {plan_hw.describe()}, {gate_world.size} rank(s); "

@@ -38,21 +38,27 @@ def _exe(plan: LaunchPlan, name: str) -> str:
     return name
 
 
+def rank_env(accelerator: str, threads_per_rank: int) -> Dict[str, str]:
+    """The environment every rank process starts with (also the calibration probes', so they measure the same)."""
+    env = {
+        "OMP_NUM_THREADS": str(threads_per_rank),
+        "MKL_NUM_THREADS": str(threads_per_rank),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["MALLOC_MMAP_THRESHOLD_"] = str(CPU_MMAP_THRESHOLD)  # a fixed value also stops its dynamic growth
+    return env
+
+
 def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     """The argv and the environment additions that start every rank of the plan.
 
     Ranks get only the run dir: no Hydra argv, and ``--no_local_rank`` so DeepSpeed does not
     append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
     """
-    env = {
-        "OMP_NUM_THREADS": str(plan.threads_per_rank),
-        "MKL_NUM_THREADS": str(plan.threads_per_rank),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if plan.accelerator == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-        env["MALLOC_MMAP_THRESHOLD_"] = str(CPU_MMAP_THRESHOLD)  # a fixed value also stops its dynamic growth
+    env = rank_env(plan.accelerator, plan.threads_per_rank)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
         if plan.hostfile:

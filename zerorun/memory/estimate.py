@@ -56,6 +56,8 @@ class Calibration:
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
+    process_measured: bool = False
+    """``cpu_process_bytes`` was measured on this machine (zerorun.train.baseline), not the prior."""
     environment: str = ""
     """What corrections are only valid for: versions of torch, DeepSpeed, transformers and zerorun."""
     corrections: Tuple[Tuple[str, int], ...] = ()
@@ -154,7 +156,7 @@ class Estimate:
             "config": dict(self.summary),
             "notes": list(self.notes),
             **({"pipeline_stages": list(self.stages)} if self.stages else {}),
-            "calibration": {"source": "calibrated" if self.calibration != "prior" else "prior",
+            "calibration": {"source": "calibrated" if self.calibration.startswith("calibrated") else "prior",
                             "what": self.calibration,
                             "correction_bytes": self.components.get("measured correction (this machine)", 0)},
             "source": "zerorun.memory (docs/memory.md §1-§6)",
@@ -366,4 +368,6 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     host_components=host_components, host_capacity_bytes=int(host_cap), fits_device=fits_device,
                     fits_host=fits_host, model_state_bytes=int(states.model_state_bytes), params=bd.total,
                     summary=summary, notes=notes,
-                    calibration="calibrated on this machine" if correction is not None else "prior")
+                    calibration="calibrated on this machine" if correction is not None else
+                    "prior; process baseline measured on this machine" if cal.process_measured and
+                    world.accelerator == "cpu" else "prior")
