@@ -4,16 +4,20 @@ DeepSpeed's own ``latest`` file is written by rank 0 before the other ranks fini
 and its checkpoint holds no RNG state. So zerorun keeps its own protocol:
 
   every rank: engine.save_checkpoint(save_latest=False) + its own rng_rank{r}.pt
-  barrier → rank 0 writes COMPLETE in the tag dir, then the ``zerorun_latest`` pointer (tmp + rename)
+  barrier → rank 0 writes COMPLETE in the tag dir (the step, the world that saved it, and a manifest:
+  every file's size and SHA-256), then the ``zerorun_latest`` pointer (tmp + rename)
   → retention deletes the oldest complete tags beyond keep_last → barrier.
 
-A tag without COMPLETE is never resumed from.
+A tag without COMPLETE is never resumed from; one whose files differ from its manifest (a flipped byte, a
+truncated or missing shard) is reported by name and the previous complete one is used (``resume_point``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -58,23 +62,78 @@ def latest_tag(root: Path) -> Optional[str]:
     return tags[-1] if tags else None
 
 
+def _digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def manifest(tag_dir: Path) -> Dict[str, Dict[str, Any]]:
+    """Every file of a checkpoint (relative path → size, SHA-256), COMPLETE itself left out."""
+    return {str(p.relative_to(tag_dir)): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+            for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != COMPLETE}
+
+
+def _die_at(point: Optional[int], here: int) -> None:
+    """Test hook (ZERORUN_FAULT_SAVE_KILL): this rank dies here, as a node does, mid-save."""
+    if point == here:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_state: Dict[str, Any], rank: int,
-         barrier: Callable[[], None], keep_last: int) -> str:
+         barrier: Callable[[], None], keep_last: int, world: Optional[Dict[str, int]] = None,
+         kill_point: Optional[int] = None) -> str:
     import torch
 
     tag = tag_for(step)
     root.mkdir(parents=True, exist_ok=True)
+    _die_at(kill_point, 0)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    _die_at(kill_point, 1)
     torch.save(rng_state, root / tag / f"rng_rank{rank}.pt")
+    _die_at(kill_point, 2)
     barrier()
     if rank == 0:
-        _atomic_write(root / tag / COMPLETE, json.dumps({"step": step, **client_state}))
+        marker = {"step": step, **client_state, "world": world or {},
+                  "zero_stage": int(getattr(engine, "zero_optimization_stage", lambda: 0)()),
+                  "files": manifest(root / tag)}
+        _die_at(kill_point, 3)
+        _atomic_write(root / tag / COMPLETE, json.dumps(marker))
+        _die_at(kill_point, 4)
         _atomic_write(root / LATEST, tag)
+        _die_at(kill_point, 5)
         if keep_last > 0:
             for old in complete_tags(root)[:-keep_last]:
                 shutil.rmtree(root / old, ignore_errors=True)
     barrier()
     return str(root / tag)
+
+
+def marker(root: Path, tag: str) -> Dict[str, Any]:
+    try:
+        return json.loads((root / tag / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def damage(root: Path, tag: str) -> Optional[str]:
+    """Why a complete tag cannot be trusted (the first file that differs from its manifest), or None.
+    Checkpoints written before manifests existed pass unchecked."""
+    tag_dir = root / tag
+    if not (tag_dir / COMPLETE).is_file():
+        return f"{tag_dir} has no {COMPLETE} marker (its save did not finish)"
+    mark = marker(root, tag)
+    if not mark:
+        return f"{tag_dir / COMPLETE} is unreadable"
+    for rel, want in (mark.get("files") or {}).items():
+        path = tag_dir / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{path} is {size} bytes, the checkpoint wrote {want['bytes']} (truncated or replaced)"
+        if _digest(path) != want["sha256"]:
+            return f"{path} does not match the SHA-256 the checkpoint recorded (corrupted)"
+    return None
 
 
 def load(engine, root: Path, tag: str, *, rank: int) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
@@ -100,3 +159,23 @@ def find_resume_point(candidates: List[Path]) -> Optional[Tuple[Path, str]]:
             if tag:
                 return root, tag
     return None
+
+
+def resume_point(candidates: List[Path]) -> Tuple[Optional[Tuple[Path, str]], List[str]]:
+    """The newest complete, undamaged checkpoint of the first candidate that has complete ones, and why
+    each newer complete one was passed over (the launcher prints them; when nothing is left, the error)."""
+    for c in candidates:
+        for root in (c / "checkpoints", c):
+            tags = complete_tags(root)
+            if not tags:
+                continue
+            newest = latest_tag(root)
+            order = [newest] + [t for t in reversed(tags) if t != newest]
+            skipped = []
+            for tag in order:
+                problem = damage(root, tag)
+                if problem is None:
+                    return (root, tag), skipped
+                skipped.append(problem)
+            return None, skipped
+    return None, []

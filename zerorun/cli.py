@@ -10,12 +10,12 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, launcher
+from . import checkpoint, faults, launcher, supervise
 from .config import (ConfigError, DataError, GateMode, OffloadDevice, Plan, RunConfig, UserError, World, check, compose,
                      make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
@@ -23,7 +23,7 @@ from .config import (ConfigError, DataError, GateMode, OffloadDevice, Plan, RunC
 from .hardware import GIB, Hardware, detect, resolve_hardware
 from .rundir import RunDir
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = faults.EXIT_OK, faults.EXIT_FAILED, faults.EXIT_BAD_INPUT
 
 
 def say(msg: str) -> None:
@@ -120,8 +120,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
 
 
 def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
-    from .data import prepare, too_few_sequences
-    from .ds_config import render
+    from .data import prepare
 
     cfg = to_run_config(raw)
     hw = detect()
@@ -132,6 +131,25 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     say(f"data: {prepared.source}, {prepared.task}: {prepared.num_train} train / {prepared.num_val} "
         f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
+    cfg, resume = _resume_point(cfg, run_dir)
+    first = _prepare(cfg, world, hw, prepared, run_dir, resume)
+    if cfg.dry_run:
+        say("dry run: nothing launched.")
+        return Outcome(str(run_dir.path), EXIT_OK, "dry-run")
+    code = supervise.supervise(first, run_dir, lambda c, r: _prepare(c, world, hw, prepared, run_dir, r), say)
+    if code == EXIT_FAILED:
+        say(f"training failed (exit code {code}); the failing rank's error is above. Run dir: {run_dir.path}")
+    return Outcome(str(run_dir.path), code, {EXIT_OK: "completed", faults.EXIT_PREEMPTED: "preempted",
+                                             faults.EXIT_OOM: "out of memory"}.get(code, "failed"))
+
+
+def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir,
+             resume: Optional[dict]) -> supervise.Launch:
+    """Gate, plan, write the run dir's inputs and the command for one attempt (the first, or a relaunch
+    after a fault with the repaired config)."""
+    from .data import too_few_sequences
+    from .ds_config import render
+
     cfg, decision = gated(cfg, world, hw, prepared, run_dir)
     if cfg.offload.device == OffloadDevice.nvme and not cfg.offload.nvme_path:
         # Resolved here so config.yaml and ds_config.json name the same directory.
@@ -143,14 +161,11 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     say(f"batch: micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} × {world.size} ranks = global "
         f"{plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step} tokens per step, "
         f"{cfg.trainer.max_steps} steps")
-
     short = too_few_sequences(prepared.num_train, plan.global_batch_size,
                               f"{plan.data_parallel_size} data-parallel rank(s) × micro-batch {plan.micro_batch_size}"
                               f" × accumulation {plan.grad_accum_steps}")
     if short:
         raise short
-    resume = _resume_point(cfg, run_dir)
-
     run_dir.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)), plan=plan.to_json(),
                          ds_config=render(cfg, plan), prepared=prepared.to_json(), resume=resume,
                          estimate={**decision.estimate.to_json(), "gate": {
@@ -164,22 +179,8 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")
     say(f"command: {line}")
-    if cfg.dry_run:
-        say("dry run: nothing launched.")
-        return Outcome(str(run_dir.path), EXIT_OK, "dry-run")
-
-    run_dir.clear_outcome()
-    rc = launcher.run(argv, env)
-    if world.accelerator == "cpu":  # the ranks unlink theirs; this catches ranks that died
-        launcher.release_cpu_shm(lp.master_addr, lp.master_port)
-    if rc == 0 and run_dir.read_summary() is None:
-        # The deepspeed CLI can exit 0 when a rank died without a trace; success is the summary.
-        say("the launcher exited 0 but no rank wrote summary.json: treating the run as failed.")
-        rc = EXIT_FAILED
-    if rc != 0:
-        say(f"training failed (exit code {rc}); the failing rank's error is above. Run dir: {run_dir.path}")
-        return Outcome(str(run_dir.path), rc, "failed")
-    return Outcome(str(run_dir.path), EXIT_OK, "completed")
+    return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
+                            master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes)
 
 
 def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
@@ -192,16 +193,33 @@ def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
     return [run_dir] + siblings
 
 
-def _resume_point(cfg: RunConfig, run_dir: RunDir) -> Optional[dict]:
+def _resume_point(cfg: RunConfig, run_dir: RunDir) -> Tuple[RunConfig, Optional[dict]]:
+    """With trainer.resume: the newest complete checkpoint whose files match their manifest (damaged ones
+    are named and passed over), and the config changes OOM recoveries of that run made, applied again."""
     if not cfg.trainer.resume:
-        return None
-    found = checkpoint.find_resume_point(resume_candidates(cfg, run_dir.path))
+        return cfg, None
+    found, skipped = checkpoint.resume_point(resume_candidates(cfg, run_dir.path))
+    for why in skipped:
+        say(f"passing over a damaged checkpoint: {why}")
     if not found:
         where = cfg.trainer.resume_from or f"{run_dir.path} or earlier runs in {run_dir.path.parent}"
+        if skipped:
+            raise UserError(f"no checkpoint to resume from is intact: {skipped[-1]}.",
+                            "restore the file, resume_from an earlier run, or drop trainer.resume to start over.",
+                            key="trainer.resume_from")
         raise UserError(f"trainer.resume=true but no complete checkpoint was found in {where}.",
                         "trainer.resume_from=<run dir>, or drop trainer.resume.", key="trainer.resume_from")
-    say(f"resuming from {found[0] / found[1]}")
-    return {"checkpoint_dir": str(found[0].resolve()), "tag": found[1]}
+    root, tag = found
+    say(f"resuming from {root / tag}")
+    source = root.parent if root.name == "checkpoints" else root
+    changes = supervise.recorded_changes(source)
+    if changes:
+        cfg = supervise.apply_changes(cfg, changes)
+        say("applying what out-of-memory recoveries of that run changed: " + " ".join(c["override"] for c in changes))
+        if source.resolve() != run_dir.path.resolve():
+            for event in RunDir(source).read_recoveries():
+                run_dir.append_recovery({**event, "run_dir": str(source)})
+    return cfg, {"checkpoint_dir": str(root.resolve()), "tag": tag}
 
 
 def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> launcher.LaunchPlan:
@@ -231,7 +249,8 @@ def _hydra_app(raw: DictConfig) -> int:
     _state["multirun"] = hc.mode == RunMode.MULTIRUN
     if _state["multirun"]:
         what = {"memory": "skipped, does not fit (memory gate)", "bad-config": "skipped, bad config",
-                "bad-data": "skipped, bad data", "failed": f"failed (exit code {outcome.code})"}
+                "bad-data": "skipped, bad data", "failed": f"failed (exit code {outcome.code})",
+                "preempted": "stopped by a signal (resumable)", "out of memory": "out of memory after recoveries"}
         say(f"sweep point {hc.job.num} ({hc.job.override_dirname or 'defaults'}): "
             f"{what.get(outcome.status, outcome.status)}")
     return outcome.code
@@ -271,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if len(outcomes) == 1 and not _state["multirun"]:
         return outcomes[0].code
     if outcomes:
-        failed = [o for o in outcomes if o.status == "failed"]
+        failed = [o for o in outcomes if o.status in ("failed", "preempted", "out of memory")]
         say(f"sweep: {len(outcomes)} points: " + ", ".join(
             f"{s} {sum(o.status == s for o in outcomes)}" for s in sorted({o.status for o in outcomes})))
         if failed:

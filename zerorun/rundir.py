@@ -14,6 +14,9 @@ write their outputs here. This module names every file and is the only one that 
   command.sh       the exact command that started the ranks
   metrics.jsonl    one JSON object per optimizer step (rank 0)
   summary.json     the outcome: written last, by rank 0; its presence means the run completed
+  recoveries.json  every OOM recovery, preemption and restart (the launcher's, zerorun.supervise), with the
+                   config changes a later resume of this run applies again
+  faults/, STOP    a rank's record of why it stopped, the launcher's stop request (zerorun.faults)
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 CONFIG, PLAN, DS_CONFIG, ESTIMATE = "config.yaml", "plan.json", "ds_config.json", "estimate.json"
 PREPARED, RESUME, COMMAND = "prepared.json", "resume.json", "command.sh"
-METRICS, SUMMARY = "metrics.jsonl", "summary.json"
+METRICS, SUMMARY, RECOVERIES = "metrics.jsonl", "summary.json", "recoveries.json"
 CHECKPOINTS, EXPORT, NVME_SWAP = "checkpoints", "export", "nvme_swap"
 
 
@@ -135,4 +138,14 @@ class RunDir:
         write_atomic(self.file(SUMMARY), _json(summary))
 
     def read_summary(self) -> Optional[Dict[str, Any]]:
-        return self.read_json(SUMMARY) if self.file(SUMMARY).exists() else None
+        try:
+            return self.read_json(SUMMARY) if self.file(SUMMARY).exists() else None
+        except ValueError:
+            return None
+
+    # ------------------------------------------------------------------ launcher side (recoveries)
+    def read_recoveries(self) -> List[Dict[str, Any]]:
+        return self.read_json(RECOVERIES) if self.file(RECOVERIES).exists() else []
+
+    def append_recovery(self, event: Dict[str, Any]) -> None:
+        write_atomic(self.file(RECOVERIES), _json(self.read_recoveries() + [event]))

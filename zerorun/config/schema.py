@@ -219,6 +219,17 @@ class TrainerConfig:
     """Progress bar on rank 0."""
     export: bool = True
     """Save the final model (and tokenizer) in Hugging Face format under <run dir>/export."""
+    oom_retries: int = 3
+    """A rank out of memory at runtime: relaunch from the last complete checkpoint this many times, each
+    with the micro-batch halved and accumulation doubled (same global batch, same data order), at
+    micro-batch 1 with the gate's next repair (checkpointing, buckets, ZeRO stage, offload). 0: stop."""
+    max_restarts: int = 0
+    """A rank died (killed, segfault, lost peer): relaunch from the last complete checkpoint up to this many
+    times, with a back-off. Not for bad config/data (exit 2) or a failure that repeats at the same step."""
+    restart_backoff_s: float = 10.0
+    """Seconds before the first restart; doubled for each further one (capped at 5 minutes)."""
+    collective_timeout_s: int = 600
+    """A collective that waits longer than this fails (a dead peer), instead of torch's 30 minutes."""
 
 
 @dataclass

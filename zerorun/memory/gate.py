@@ -180,6 +180,28 @@ def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
     return None
 
 
+def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, List[Change]]]:
+    """After an out-of-memory error at runtime, the next config to try (None: nothing left): the
+    micro-batch halved (to the largest size that keeps the global batch, so the data order is the same),
+    and at micro-batch 1 the next rung of autofit's ladder that keeps micro-batch 1 (checkpointing,
+    smaller buckets, a higher ZeRO stage, CPU offload, parameter offload)."""
+    pinned = plan.global_batch_size
+    knobs = _candidates(cfg, plan.world, pinned)
+    micro = cfg.trainer.micro_batch_size
+    if micro > 1:
+        smaller = sorted({k.micro for k in knobs if k.micro <= micro // 2}, reverse=True)
+        if smaller:
+            off = cfg.offload
+            return _apply(cfg, plan.world, _Knobs(smaller[0], cfg.trainer.activation_checkpointing, False,
+                                                  cfg.zero.stage, OffloadDevice(off.device), off.params), pinned)
+    ladder = [k for k in knobs if k.micro == 1]
+    for k in ladder:
+        new, changes = _apply(cfg, plan.world, k, pinned)
+        if changes:  # the first rung that changes something; the ladder only goes up
+            return new, changes
+    return None
+
+
 def _describe(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
     tr = cfg.trainer
     off = "offload " + OffloadDevice(cfg.offload.device).value + (" (+params)" if plan.offload_params else "")

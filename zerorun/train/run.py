@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .. import faults
 from ..rundir import RunDir
 from ..telemetry import TRACK_MEMORY_ENV
 from .export import export
@@ -26,6 +27,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m zerorun.train RUN_DIR", file=sys.stderr)
         return 2
     run_dir = RunDir(Path(args[0]).resolve())
+    state: Dict[str, Any] = {}
+    try:
+        return _run(run_dir, state)
+    except BaseException as e:  # noqa: B036 (an OOM can surface as MemoryError)
+        if not faults.is_oom(e):
+            raise
+        _leave_after_oom(run_dir, state.get("trainer"), e)
+
+
+def _leave_after_oom(run_dir: RunDir, trainer: Optional[Trainer], error: BaseException) -> None:
+    """Record what ran out and leave at once: no collective (the peers may be in one), no cleanup that
+    allocates. The launcher relaunches with less memory per micro-batch (zerorun.supervise)."""
+    from ..telemetry import device_figures, rss_status
+
+    rank = trainer.rank if trainer else int(os.environ.get("RANK", 0))
+    info: Dict[str, Any] = {"error": str(error).splitlines()[0][:500] if str(error) else type(error).__name__,
+                            "rss": rss_status()}
+    if trainer is not None:
+        info.update(step=trainer.step, micro_batch_size=trainer.plan.micro_batch_size,
+                    grad_accum_steps=trainer.plan.grad_accum_steps, device=device_figures())
+    try:
+        faults.record(run_dir.path, rank, "oom", **info)
+        print(f"zerorun: rank {rank} ran out of memory at step {info.get('step', 'setup')} "
+              f"(micro-batch {info.get('micro_batch_size', '?')}): {info['error']}", file=sys.stderr, flush=True)
+    finally:
+        os._exit(faults.EXIT_OOM)
+
+
+def _run(run_dir: RunDir, state: Dict[str, Any]) -> int:
     t_start = time.time()
     # Opt-in live-tensor accounting (CPU ranks): every storage an op creates, from before the model is built,
     # so the init and training peaks compare with the estimate's allocator peak. It slows every op.
@@ -35,7 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         tracker = live_bytes()
         tracker.__enter__()
-    trainer = Trainer(run_dir)
+    trainer = state["trainer"] = Trainer(run_dir)
     trainer.build()
     live = {"init": tracker.peak if tracker else 0}
     if tracker:
@@ -44,6 +74,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if resume:
         trainer.resume(Path(resume["checkpoint_dir"]), resume["tag"])
     result = trainer.train()
+    if result.get("preempted"):
+        p = result["preempted"]
+        faults.record(run_dir.path, trainer.rank, "preempted", **p)
+        if trainer.rank == 0:
+            print(f"zerorun: stopped at step {p['step']} ({p['signal']}); checkpoint {p['checkpoint']}",
+                  file=sys.stderr, flush=True)
+        trainer.dist.barrier()
+        release_cpu_shm(trainer)
+        return faults.EXIT_PREEMPTED
     if tracker:
         live["train"] = tracker.peak
         tracker.__exit__(None, None, None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import signal
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -20,9 +19,9 @@ from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
 from ..telemetry import RssMilestones
+from . import interrupts
 from .strategy import strategy_for
 
-FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"  # test hook "RANK:STEP": SIGKILL that rank after that step
 
 
 class Trainer:
@@ -41,7 +40,11 @@ class Trainer:
         self.task = self.plan.task
         self.strategy = strategy_for(self.cfg, self.plan, self.ds_config)
 
-        deepspeed.init_distributed()
+        # A peer that died leaves the others in a collective: fail after trainer.collective_timeout_s,
+        # not torch's 30 minutes (the launcher also stops the group when one rank exits).
+        from datetime import timedelta
+
+        deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.accel = get_accelerator()
@@ -50,6 +53,7 @@ class Trainer:
         from ..models import import_model_code
 
         import_model_code(self.cfg.model.family)
+        self.stop = interrupts.StopFlag(run_dir.path, dist)  # a signal from here on stops at a step boundary
         self.rss = RssMilestones()
         self.rss.mark("ready")  # every import and the process group, no tensor yet: the process baseline
 
@@ -78,7 +82,9 @@ class Trainer:
         self.sampler = RankSampler(len(self.train_data), self.strategy.dp_rank, self.strategy.dp_world,
                                    self.plan.micro_batch_size, cfg.seed, self.plan.grad_accum_steps)
         self.start_step = 0
+        self.step = 0  # the step being run (fault records name it)
         self.rss.mark("built")
+        interrupts.limit_memory(self.rank)
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         seed_everything(cfg.seed + 1000 * (self.rank + 1))
 
@@ -90,7 +96,6 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.trainer
         if self.rank == 0:
             self.run_dir.start_metrics(keep_through_step=self.start_step)
-        kill_rank, kill_step = _fault_kill()
         bar = None
         if self.rank == 0 and tr.progress:
             from tqdm import tqdm
@@ -99,10 +104,13 @@ class Trainer:
                        dynamic_ncols=True, file=sys.stderr)
         history: List[Dict[str, Any]] = []
         last_ckpt: Optional[str] = None
+        preempted: Optional[Dict[str, Any]] = None
         last_eval: Dict[str, str] = {}
         accum = self.plan.grad_accum_steps
         self.engine.train()
         for step in range(self.start_step + 1, tr.max_steps + 1):
+            self.step = step
+            interrupts.inject_oom(self.rank, step, self.plan.micro_batch_size)
             t0 = time.perf_counter()
             lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
             batches = [self.batch(self.train_data, self.sampler.next_indices()) for _ in range(accum)]
@@ -124,14 +132,21 @@ class Trainer:
                         last_eval = {k: f"{v:.4g}" for k, v in record.items() if k.startswith("val_")}
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **last_eval)
                     bar.update(1)
-            if (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps:
+            saved = (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps
+            if saved:
                 last_ckpt = self.save(step)
-            if kill_rank == self.rank and kill_step == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+            interrupts.kill_after(self.rank, step)
             if step == self.start_step + 1:
                 self.rss.mark("first step")
+            why = self.stop.agreed(self.device) if step < tr.max_steps else None
+            if why:  # preemption: every rank saves this step and leaves, well inside a grace period
+                last_ckpt = last_ckpt if saved else self.save(step)
+                preempted = {"step": step, "signal": why, "checkpoint": last_ckpt}
+                break
         if bar is not None:
             bar.close()
+        if preempted:
+            return {"history": history, "checkpoint": last_ckpt, "preempted": preempted}
         self.rss.mark("trained")
         final_eval = self.evaluate()
         self.rss.mark("evaluated")
@@ -181,12 +196,16 @@ class Trainer:
         client_state = {"step": step, "consumed": self.sampler.consumed}
         return checkpoint.save(self.engine, self.run_dir.checkpoints, step, client_state,
                                rng_state=rng_state(), rank=self.rank, barrier=self.dist.barrier,
-                               keep_last=self.cfg.trainer.keep_last)
+                               keep_last=self.cfg.trainer.keep_last,
+                               world={"ranks": self.world, "data_parallel": self.strategy.dp_world},
+                               kill_point=interrupts.save_kill_point(self.rank, step))
 
     def resume(self, ckpt_root, tag: str) -> None:
         client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank)
         self.start_step = int(client_state["step"])
-        self.sampler.consumed = int(client_state["consumed"])
+        # Step k takes the k-th global batch whatever the split (RankSampler), so the position follows
+        # from the step: exact also when the micro-batch, accumulation or rank count changed since the save.
+        self.sampler.consumed = self.start_step * self.plan.grad_accum_steps
         if rng is not None:
             set_rng_state(rng)
 
@@ -236,11 +255,3 @@ def _loss_scale(engine) -> Optional[float]:
         if value is not None and hasattr(value, "item"):
             return float(value.item())
     return None
-
-
-def _fault_kill():
-    spec = os.environ.get(FAULT_KILL_ENV, "")
-    if not spec:
-        return None, None
-    rank, step = spec.split(":")
-    return int(rank), int(step)

@@ -1,0 +1,80 @@
+"""What ends a run early, as the ranks and the launcher agree on it: exit codes, the fault records a rank
+leaves in the run dir, the stop request, and what counts as out of memory.
+
+torchrun and the deepspeed CLI flatten a rank's exit code (any failure is 1), so a rank that knows why it
+stops says so in a file, written atomically before it exits: ``faults/rank{r}.json``. The launcher reads
+them after the ranks are gone (zerorun.supervise) and decides: recover, restart, or stop with a code that
+tells a scheduler what happened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+# Exit codes of `zerorun` (README "When things go wrong"); ranks use the same ones.
+EXIT_OK = 0
+EXIT_FAILED = 1          # a rank failed and restarts (trainer.max_restarts) did not help or were not allowed
+EXIT_BAD_INPUT = 2       # config, data or the memory gate refused: nothing launched, nothing lost
+EXIT_OOM = 3             # out of memory at runtime after trainer.oom_retries recoveries
+EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal, a complete checkpoint saved; resume with trainer.resume=true
+
+FAULTS_DIR = "faults"
+STOP_FILE = "STOP"
+"""The launcher asks the ranks to checkpoint and stop by creating this file in the run dir (it got SIGTERM);
+ranks that get the signal themselves (Slurm signals every process of a step) set the same flag."""
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+"""SIGTERM: SageMaker spot, Kubernetes, scancel; SIGUSR1/2: Slurm ``--signal`` and submitit's default."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    """An allocation failure: torch.OutOfMemoryError on a GPU; on CPU ranks MemoryError or the allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory", "not enough memory")."""
+    if isinstance(exc, MemoryError):
+        return True
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in (
+        "out of memory", "can't allocate memory", "not enough memory", "CUDA error: out of memory"))
+
+
+def record(run_dir: Path, rank: int, kind: str, **info: Any) -> Path:
+    """Write this rank's fault record atomically (tmp + rename): kind is "oom" or "preempted"."""
+    d = Path(run_dir) / FAULTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"rank{rank}.json"
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"kind": kind, "rank": rank, "time": time.time(), **info}, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_all(run_dir: Path) -> List[Dict[str, Any]]:
+    """Every rank's fault record of the last attempt, by rank."""
+    d = Path(run_dir) / FAULTS_DIR
+    out = []
+    for p in sorted(d.glob("rank*.json")) if d.is_dir() else []:
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            continue  # a record is written by rename, so a torn one is not ours
+    return sorted(out, key=lambda r: r.get("rank", 0))
+
+
+def clear(run_dir: Path) -> None:
+    """Before an attempt: no record or stop request from the last one."""
+    d = Path(run_dir) / FAULTS_DIR
+    for p in d.glob("*") if d.is_dir() else []:
+        p.unlink(missing_ok=True)
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+def request_stop(run_dir: Path, why: str) -> None:
+    (Path(run_dir) / STOP_FILE).write_text(why + "\n")
+
+
+def stop_requested(run_dir: Path) -> bool:
+    return (Path(run_dir) / STOP_FILE).exists()

@@ -1,0 +1,218 @@
+"""The launcher's loop around the ranks: start them, read why they stopped, then recover or stop.
+
+    attempt → ranks exit → classify (summary / fault records / exit code) → decide (pure) → relaunch or stop
+
+OOM: relaunch from the last complete checkpoint with the micro-batch halved and accumulation doubled (same
+global batch, same data order), at micro-batch 1 the gate's next repair (``trainer.oom_retries``).
+Preemption (SIGTERM/SIGUSR1/SIGUSR2 to zerorun or to the ranks): the ranks save and stop; zerorun exits 75.
+A rank that died (``trainer.max_restarts``): relaunch from the last complete checkpoint after a back-off,
+unless it died at the same step as last time. Every event goes to recoveries.json and summary.json.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from . import checkpoint, faults, launcher
+from .config import Plan, RunConfig
+from .memory import Change, runtime_oom_repair
+from .rundir import RunDir
+
+
+@dataclass
+class Launch:
+    """One prepared attempt: the config and plan its run dir holds, and the command that starts the ranks."""
+
+    cfg: RunConfig
+    plan: Plan
+    argv: List[str]
+    env: Dict[str, str]
+    master_addr: str
+    master_port: int
+    estimate_bytes: int = 0
+
+
+@dataclass
+class Ended:
+    """How an attempt ended, from what the ranks left behind."""
+
+    rc: int
+    completed: bool
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    last_step: int = 0
+    signalled: Optional[str] = None  # zerorun itself got a stop signal during the attempt
+
+    def kind(self) -> str:
+        kinds = {r.get("kind") for r in self.records}
+        if self.completed:
+            return "completed"
+        if "oom" in kinds:
+            return "oom"
+        if "preempted" in kinds or self.signalled:
+            return "preempted"
+        return "crashed"
+
+
+@dataclass
+class Verdict:
+    action: str  # "done" | "relaunch" | "stop"
+    code: int
+    reason: str
+    cfg: Optional[RunConfig] = None
+    changes: List[Change] = field(default_factory=list)
+    wait_s: float = 0.0
+
+
+def decide(launch: Launch, ended: Ended, history: List[Dict[str, Any]]) -> Verdict:
+    """What to do after an attempt (pure): ``history`` is the recoveries so far."""
+    tr = launch.cfg.trainer
+    kind = ended.kind()
+    if kind == "completed":
+        return Verdict("done", faults.EXIT_OK, "completed")
+    if kind == "preempted":
+        return Verdict("stop", faults.EXIT_PREEMPTED, "stopped by a signal; rerun the same command with "
+                       "trainer.resume=true to continue from the checkpoint")
+    if kind == "oom":
+        oom = next(r for r in ended.records if r.get("kind") == "oom")
+        where = f"rank {oom.get('rank')} ran out of memory at step {oom.get('step', '?')}"
+        used = sum(e["kind"] == "oom" for e in history)
+        if used >= tr.oom_retries:
+            return Verdict("stop", faults.EXIT_OOM, f"{where}; trainer.oom_retries={tr.oom_retries} recoveries "
+                           "used. Lower trainer.micro_batch_size or raise zero.stage / offload and resume")
+        repair = runtime_oom_repair(launch.cfg, launch.plan)
+        if repair is None:
+            return Verdict("stop", faults.EXIT_OOM, f"{where}, and nothing is left for zerorun to change "
+                           "(micro-batch 1, checkpointing, ZeRO-3, offload): use fewer/larger-memory ranks")
+        return Verdict("relaunch", faults.EXIT_OOM, where, cfg=repair[0], changes=repair[1])
+    # A rank died without a record: a kill, a segfault, a lost peer.
+    restarts = [e for e in history if e["kind"] == "restart"]
+    if len(restarts) >= tr.max_restarts:
+        hint = "" if tr.max_restarts else "; trainer.max_restarts=N restarts it from the last checkpoint"
+        return Verdict("stop", faults.EXIT_FAILED, f"a rank failed (launcher exit {ended.rc}){hint}")
+    if restarts and restarts[-1].get("step") == ended.last_step:
+        return Verdict("stop", faults.EXIT_FAILED, f"a rank failed again at step {ended.last_step}, as before the "
+                       "last restart: not a transient fault, so no further restarts")
+    wait = min(300.0, tr.restart_backoff_s * 2 ** len(restarts))
+    return Verdict("relaunch", faults.EXIT_FAILED, f"a rank failed at step {ended.last_step + 1} "
+                   f"(launcher exit {ended.rc})", cfg=launch.cfg, wait_s=wait)
+
+
+def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None]) -> Ended:
+    """Start the ranks and wait. A stop signal to zerorun becomes the run dir's stop request: the ranks
+    save at the next step and exit, with no launcher timeout to race (torchrun, the deepspeed CLI)."""
+    faults.clear(run_dir.path)
+    run_dir.clear_outcome()
+    got: List[str] = []
+
+    def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if not got:
+            say(f"{name}: asking the ranks to save a checkpoint at the next step and stop ...")
+        got.append(name)
+        faults.request_stop(run_dir.path, name)
+
+    previous = {s: signal.signal(getattr(signal, s), on_signal) for s in faults.STOP_SIGNALS}
+    try:
+        rc = launcher.run(launch.argv, launch.env)
+    finally:
+        for s, h in previous.items():
+            signal.signal(getattr(signal, s), h)
+    if launch.plan.world.accelerator == "cpu":  # the ranks unlink theirs; this catches ranks that died
+        launcher.release_cpu_shm(launch.master_addr, launch.master_port)
+    steps = [r["step"] for r in run_dir.read_metrics()]
+    completed = run_dir.read_summary() is not None
+    if rc == 0 and not completed:
+        # The deepspeed CLI can exit 0 when a rank died without a trace; success is the summary.
+        say("the launcher exited 0 but no rank wrote summary.json: treating the run as failed.")
+    return Ended(rc=rc, completed=completed, records=faults.read_all(run_dir.path),
+                 last_step=max(steps) if steps else 0, signalled=got[0] if got else None)
+
+
+def supervise(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Optional[dict]], Launch],
+              say: Callable[[str], None]) -> int:
+    """Attempts until the run completes or a verdict stops it; returns zerorun's exit code."""
+    launch, attempt = first, 1
+    while True:
+        ended = _run_ranks(launch, run_dir, say)
+        history = run_dir.read_recoveries()
+        verdict = decide(launch, ended, history)
+        if verdict.action == "done":
+            _finish(run_dir, history, say)
+            return faults.EXIT_OK
+        event = _event(attempt, ended, verdict, launch)
+        run_dir.append_recovery(event)
+        if verdict.action == "stop":
+            say(f"{verdict.reason}. Run dir: {run_dir.path}")
+            return verdict.code
+        point, skipped = checkpoint.resume_point([run_dir.path])
+        for why in skipped:
+            say(f"passing over a damaged checkpoint: {why}")
+        resume = {"checkpoint_dir": str(point[0].resolve()), "tag": point[1]} if point else None
+        if verdict.changes:
+            say(f"{verdict.reason}; relaunching with " + ", ".join(
+                f"{c.key} {c.old} → {c.new} ({c.why})" for c in verdict.changes))
+        else:
+            say(f"{verdict.reason}; restarting in {verdict.wait_s:.0f} s "
+                f"(restart {sum(e['kind'] == 'restart' for e in history) + 1} of {launch.cfg.trainer.max_restarts})")
+            time.sleep(verdict.wait_s)
+        say(f"resuming from {point[0] / point[1]}" if point else "no complete checkpoint yet: starting over")
+        launch = relaunch(verdict.cfg, resume)
+        attempt += 1
+
+
+def _event(attempt: int, ended: Ended, verdict: Verdict, launch: Launch) -> Dict[str, Any]:
+    kind = {"oom": "oom", "preempted": "preempted"}.get(ended.kind(), "restart" if verdict.action == "relaunch"
+                                                        else "failed")
+    rec = next((r for r in ended.records if r.get("kind") == ended.kind()), {})
+    event = {"kind": kind, "attempt": attempt, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+             "rank": rec.get("rank"), "step": rec.get("step", ended.last_step), "launcher_exit": ended.rc,
+             "action": verdict.action, "reason": verdict.reason,
+             "changes": [{"key": c.key, "old": _plain(c.old), "new": _plain(c.new), "why": c.why,
+                          "override": c.override()} for c in verdict.changes]}
+    if kind == "oom":  # what ran out, next to what the gate predicted for that config
+        event.update(estimate_bytes=launch.estimate_bytes, measured=rec.get("rss"), device=rec.get("device"),
+                     error=rec.get("error"), micro_batch_size=rec.get("micro_batch_size"))
+    if kind == "preempted":
+        event.update(signal=rec.get("signal") or ended.signalled, checkpoint=rec.get("checkpoint"))
+    return {k: v for k, v in event.items() if v is not None}
+
+
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)  # enums as their config spelling
+
+
+def _finish(run_dir: RunDir, history: List[Dict[str, Any]], say: Callable[[str], None]) -> None:
+    """A completed run: its recoveries go into summary.json and the end-of-run line."""
+    if not history:
+        return
+    summary = run_dir.read_summary() or {}
+    summary["recoveries"] = history
+    run_dir.write_summary(summary)
+    names = {"oom": ("out-of-memory recovery", "out-of-memory recoveries"), "restart": ("restart", "restarts"),
+             "preempted": ("preemption", "preemptions")}
+    parts = [f"{n} {names[k][n > 1]}" for k in names if (n := sum(e["kind"] == k for e in history))]
+    changes = [c["override"] for e in history for c in e.get("changes", [])]
+    say("completed after " + ", ".join(parts) + (f"; config changes kept: {' '.join(changes)}" if changes else "")
+        + " (recoveries.json, summary.json)")
+
+
+def recorded_changes(run_dir) -> List[Dict[str, Any]]:
+    """The config changes earlier OOM recoveries of a run made (a later resume of it makes them again)."""
+    try:
+        events = RunDir(run_dir).read_recoveries()
+    except (OSError, ValueError):
+        return []
+    return [c for e in events for c in e.get("changes", [])]
+
+
+def apply_changes(cfg: RunConfig, changes: List[Dict[str, Any]]) -> RunConfig:
+    from omegaconf import OmegaConf
+
+    from .config import to_run_config
+
+    tree = OmegaConf.structured(cfg)
+    for c in changes:
+        OmegaConf.update(tree, c["key"], c["new"], merge=False)
+    return to_run_config(tree)

@@ -1,0 +1,78 @@
+"""What can stop a rank between steps: a stop request (preemption) that all ranks agree on, and the test
+hooks that inject the faults zerorun recovers from (docs in zerorun/faults.py, README "When things go wrong").
+"""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+from pathlib import Path
+from typing import Optional, Tuple
+
+from .. import faults
+
+FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"            # "RANK:STEP": SIGKILL that rank after that step
+FAULT_OOM_ENV = "ZERORUN_FAULT_OOM"              # "RANK:STEP[:MIN_MICRO]": raise OutOfMemoryError before that step
+FAULT_MEMLIMIT_ENV = "ZERORUN_FAULT_MEMLIMIT"    # "RANK:MIB": a real address-space limit once the model is built
+FAULT_SAVE_KILL_ENV = "ZERORUN_FAULT_SAVE_KILL"  # "RANK:STEP:POINT": SIGKILL inside that step's save (checkpoint.py)
+
+
+def _spec(env: str) -> Optional[Tuple[int, ...]]:
+    raw = os.environ.get(env, "")
+    return tuple(int(x) for x in raw.split(":")) if raw else None
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGUSR1/SIGUSR2 in this rank or by the launcher's stop file; ``agreed()`` is the
+    same answer on every rank (one all-reduce of a flag per step), so all ranks save the same step."""
+
+    def __init__(self, run_dir: Path, dist):
+        self.run_dir, self.dist = run_dir, dist
+        self.signal: Optional[str] = None
+        for name in faults.STOP_SIGNALS:
+            signal.signal(getattr(signal, name), self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name  # acted on at the next step boundary, never mid-collective
+
+    def agreed(self, device) -> Optional[str]:
+        import torch
+
+        local = self.signal is not None or faults.stop_requested(self.run_dir)
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
+        if flag.item() <= 0:
+            return None
+        return self.signal or ("stop requested by the launcher" if local else "a peer rank was signalled")
+
+
+def kill_after(rank: int, step: int) -> None:
+    spec = _spec(FAULT_KILL_ENV)
+    if spec and spec == (rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_oom(rank: int, step: int, micro_batch: int) -> None:
+    spec = _spec(FAULT_OOM_ENV)
+    if spec and spec[:2] == (rank, step) and micro_batch >= (spec[2] if len(spec) > 2 else 1):
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected by {FAULT_OOM_ENV} at micro-batch {micro_batch}")
+
+
+def limit_memory(rank: int) -> None:
+    """A real allocation failure for tests: cap this rank's address space at its current size + MIB, so
+    the allocator's own error (not an injected one) ends a step that needs more."""
+    spec = _spec(FAULT_MEMLIMIT_ENV)
+    if not spec or spec[0] != rank:
+        return
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = vm + spec[1] * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def save_kill_point(rank: int, step: int) -> Optional[int]:
+    """The point inside checkpoint.save at which a test kills this rank, if any."""
+    spec = _spec(FAULT_SAVE_KILL_ENV)
+    return spec[2] if spec and spec[:2] == (rank, step) else None
