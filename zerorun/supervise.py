@@ -193,7 +193,7 @@ def _finish(run_dir: RunDir, history: List[Dict[str, Any]], say: Callable[[str],
     names = {"oom": ("out-of-memory recovery", "out-of-memory recoveries"), "restart": ("restart", "restarts"),
              "preempted": ("preemption", "preemptions")}
     parts = [f"{n} {names[k][n > 1]}" for k in names if (n := sum(e["kind"] == k for e in history))]
-    changes = [c["override"] for e in history for c in e.get("changes", [])]
+    changes = list({c["key"]: c["override"] for e in history for c in e.get("changes", [])}.values())
     say("completed after " + ", ".join(parts) + (f"; config changes kept: {' '.join(changes)}" if changes else "")
         + " (recoveries.json, summary.json)")
 

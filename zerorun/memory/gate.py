@@ -160,10 +160,15 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
         for small in ([False, True] if shrinkable else [False]):
             for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
                 for micro in micros:
-                    key = (tier == 2, tier >= 1, layout.stage, small, ckpt, -micro)
-                    out.append((key, _Knobs(micro, ckpt, small, layout.stage, layout.device, params)))
-    out.sort(key=lambda kv: kv[0])
-    return [k for _, k in out]
+                    out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params))
+    return sorted(out, key=_speed_rank)
+
+
+def _speed_rank(k: _Knobs) -> Tuple:
+    """Autofit's order, fastest first: parameter offload, then optimizer offload, stage, small buckets,
+    checkpointing, and a smaller micro-batch each cost more than everything after them."""
+    tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
+    return (tier == 2, tier >= 1, k.stage, k.small_buckets, k.ckpt, -k.micro)
 
 
 def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
@@ -194,11 +199,14 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
             off = cfg.offload
             return _apply(cfg, plan.world, _Knobs(smaller[0], cfg.trainer.activation_checkpointing, False,
                                                   cfg.zero.stage, OffloadDevice(off.device), off.params), pinned)
-    ladder = [k for k in knobs if k.micro == 1]
-    for k in ladder:
-        new, changes = _apply(cfg, plan.world, k, pinned)
-        if changes:  # the first rung that changes something; the ladder only goes up
-            return new, changes
+    off = cfg.offload
+    here = _speed_rank(_Knobs(1, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
+                              OffloadDevice(off.device), off.params))
+    for k in knobs:  # the next rung down the ladder at micro-batch 1 that changes something
+        if k.micro == 1 and _speed_rank(k) > here:
+            new, changes = _apply(cfg, plan.world, k, pinned)
+            if changes:
+                return new, changes
     return None
 
 

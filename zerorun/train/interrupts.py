@@ -46,9 +46,12 @@ class StopFlag:
         return self.signal or ("stop requested by the launcher" if local else "a peer rank was signalled")
 
 
-def kill_after(rank: int, step: int) -> None:
+def kill_after(run_dir: Path, rank: int, step: int) -> None:
+    """Once per run dir (a transient fault: a restart or resume of the run goes past it)."""
     spec = _spec(FAULT_KILL_ENV)
-    if spec and spec == (rank, step):
+    done = Path(run_dir) / f".fault_kill_{rank}_{step}"
+    if spec and spec == (rank, step) and not done.exists():
+        done.touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

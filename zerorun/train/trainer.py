@@ -135,7 +135,7 @@ class Trainer:
             saved = (tr.save_every and step % tr.save_every == 0) or step == tr.max_steps
             if saved:
                 last_ckpt = self.save(step)
-            interrupts.kill_after(self.rank, step)
+            interrupts.kill_after(self.run_dir.path, self.rank, step)
             if step == self.start_step + 1:
                 self.rss.mark("first step")
             why = self.stop.agreed(self.device) if step < tr.max_steps else None
