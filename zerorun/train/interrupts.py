@@ -35,15 +35,21 @@ class StopFlag:
     def _on_signal(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name  # acted on at the next step boundary, never mid-collective
 
-    def agreed(self, device) -> Optional[str]:
+    def agreed(self, device, drawn, copies: int) -> Tuple[Optional[str], int]:
+        """(why to stop or None, the step's data fingerprint): the same on every rank. The fingerprint is
+        a hash summed over the sequence indices every data-parallel replica drew (``copies`` ranks per
+        replica draw the same ones), so it is equal for the same global batch however it is split."""
         import torch
 
         local = self.signal is not None or faults.stop_requested(self.run_dir)
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
-        if flag.item() <= 0:
-            return None
-        return self.signal or ("stop requested by the launcher" if local else "a peer rank was signalled")
+        mine = sum(int(i) * 2654435761 % 2**32 for idx in drawn for i in idx)
+        both = torch.tensor([1.0 if local else 0.0, float(mine)], dtype=torch.float64, device=device)
+        self.dist.all_reduce(both)
+        fingerprint = int(both[1].item()) // max(1, copies)
+        if both[0].item() <= 0:
+            return None, fingerprint
+        why = self.signal or ("stop requested by the launcher" if local else "a peer rank was signalled")
+        return why, fingerprint
 
 
 def kill_after(run_dir: Path, rank: int, step: int) -> None:

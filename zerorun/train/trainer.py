@@ -113,10 +113,13 @@ class Trainer:
             interrupts.inject_oom(self.rank, step, self.plan.micro_batch_size)
             t0 = time.perf_counter()
             lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
-            batches = [self.batch(self.train_data, self.sampler.next_indices()) for _ in range(accum)]
-            mean_loss = self.strategy.train_step(batches)
+            drawn = [self.sampler.next_indices() for _ in range(accum)]
+            mean_loss = self.strategy.train_step([self.batch(self.train_data, idx) for idx in drawn])
             dt = time.perf_counter() - t0
-            record: Dict[str, Any] = {"step": step, "loss": mean_loss, "lr": lr,
+            # One all-reduce per step: whether any rank must stop, and which sequences the step used.
+            why, fingerprint = self.stop.agreed(self.device, drawn, self.world // max(1, self.strategy.dp_world))
+            why = why if step < tr.max_steps else None
+            record: Dict[str, Any] = {"step": step, "loss": mean_loss, "lr": lr, "data_fingerprint": fingerprint,
                                       "tokens_per_s": self.plan.tokens_per_step / dt, "step_time_s": dt,
                                       "epoch": self.sampler.epoch,
                                       "skipped_steps": int(getattr(self.engine, "skipped_steps", 0))}
@@ -138,7 +141,6 @@ class Trainer:
             interrupts.kill_after(self.run_dir.path, self.rank, step)
             if step == self.start_step + 1:
                 self.rss.mark("first step")
-            why = self.stop.agreed(self.device) if step < tr.max_steps else None
             if why:  # preemption: every rank saves this step and leaves, well inside a grace period
                 last_ckpt = last_ckpt if saved else self.save(step)
                 preempted = {"step": step, "signal": why, "checkpoint": last_ckpt}
