@@ -228,7 +228,8 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         launcher=la.name.value, run_dir=str(run_dir.path.resolve()), nproc_per_node=world.nproc_per_node,
         accelerator=world.accelerator, nnodes=la.nnodes, node_rank=la.node_rank, master_addr=la.master_addr,
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
-        threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), bin_dir=launcher.default_bin_dir())
+        threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), bin_dir=launcher.default_bin_dir(),
+        stop_timeout_s=la.stop_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------

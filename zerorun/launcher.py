@@ -28,6 +28,12 @@ class LaunchPlan:
     hostfile: str = ""
     threads_per_rank: int = 1
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
+    stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
+
+
+# torchrun handles only SIGTERM/INT/HUP/QUIT by default: SIGUSR1/2 (Slurm --signal, submitit) would kill it
+# and orphan the ranks. Handled, it passes the signal to the ranks, which checkpoint and stop.
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
 def _exe(plan: LaunchPlan, name: str) -> str:
@@ -74,7 +80,8 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
                      "--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
         else:
             argv += ["--nnodes", "1", "--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
-        argv += ["-m", TRAIN_MODULE, plan.run_dir]
+        argv += ["--signals-to-handle", TORCHRUN_SIGNALS, "--shutdown-timeout", str(plan.stop_timeout_s),
+                 "-m", TRAIN_MODULE, plan.run_dir]
         return argv, env
     raise ValueError(f"unknown launcher {plan.launcher!r}")
 
@@ -106,6 +113,38 @@ def run(argv: List[str], env: Dict[str, str], log_path: Optional[Path] = None) -
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_processes(run_dir: str) -> List[int]:
+    """Live rank processes of a run (their command line names the run dir), however they were started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        if TRAIN_MODULE.encode() in args and run_dir.encode() in args:
+            found.append(int(proc.name))
+    return found
+
+
+def reap(run_dir: str, grace_s: float) -> int:
+    """After the launcher exited: give the run's ranks ``grace_s`` to finish (a checkpoint being saved),
+    then SIGKILL what is left (the deepspeed runner dies on SIGTERM and leaves its ranks running). Returns
+    how many had to be killed."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(left)
 
 
 def cpu_shm_name(master_addr: str, master_port: int | str, rank: int | str = "*", uid: Optional[int] = None) -> str:

@@ -119,6 +119,10 @@ def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None]) -> E
     finally:
         for s, h in previous.items():
             signal.signal(getattr(signal, s), h)
+    # No orphans: ranks a dead launcher left behind get the stop grace (they may be saving), then SIGKILL.
+    killed = launcher.reap(str(run_dir.path.resolve()), launch.cfg.launcher.stop_timeout_s if got else 10.0)
+    if killed:
+        say(f"killed {killed} rank process(es) the launcher left behind")
     if launch.plan.world.accelerator == "cpu":  # the ranks unlink theirs; this catches ranks that died
         launcher.release_cpu_shm(launch.master_addr, launch.master_port)
     steps = [r["step"] for r in run_dir.read_metrics()]

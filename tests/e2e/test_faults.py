@@ -118,15 +118,19 @@ def long_reference(tmp_path_factory, cache_dir):
     return {m["step"]: m["loss"] for m in read_metrics(run)}
 
 
-@pytest.mark.parametrize("who", ["zerorun", "one-rank"])
+@pytest.mark.parametrize("who", ["zerorun", "one-rank", "every-process-torchrun"])
 def test_a_stop_signal_checkpoints_exits_75_and_resumes_bit_identically(tmp_path, cache_dir, who, long_reference):
     run = tmp_path / "preempted"
-    proc = _start(LONG, run, cache_dir)
+    args = [*LONG, "launcher=torchrun"] if "torchrun" in who else LONG
+    proc = _start(args, run, cache_dir)
     _wait_for_step(run, 3, proc)
     if who == "zerorun":  # SageMaker / docker stop: the container's main process gets SIGTERM
         proc.send_signal(signal.SIGTERM)
-    else:  # Slurm --signal / submitit: SIGUSR1 reaches a rank; the others learn it at the step boundary
+    elif who == "one-rank":  # SIGUSR1 reaches one rank; the others learn it at the step boundary
         os.kill(_rank_pids(run)[-1], signal.SIGUSR1)
+    else:  # Slurm --signal=USR1@T: every process of the step (torchrun passes it on, then waits for the save)
+        for pid, _ in _processes_of(run):
+            os.kill(pid, signal.SIGUSR1)
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode == PREEMPTED_EXIT, out[-3000:]
     stopped = max(m["step"] for m in read_metrics(run))
@@ -135,7 +139,7 @@ def test_a_stop_signal_checkpoints_exits_75_and_resumes_bit_identically(tmp_path
     assert events[-1]["kind"] == "preempted" and events[-1]["step"] == stopped
     assert _processes_of(run) == [] and not (run / "summary.json").exists()  # no orphans
 
-    resumed = run_zerorun([*LONG, "trainer.resume=true"], run, cache_dir)
+    resumed = run_zerorun([*args, "trainer.resume=true"], run, cache_dir)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     want = long_reference
     got = read_metrics(run)

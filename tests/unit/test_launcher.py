@@ -31,7 +31,8 @@ def test_deepspeed_hostfile_multi_node():
 def test_torchrun_single_and_multi_node():
     argv, _ = build_command(plan(launcher="torchrun"))
     assert argv == ["torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--master-addr", "127.0.0.1",
-                    "--master-port", "29511", "-m", "zerorun.train", "/runs/a b"]
+                    "--master-port", "29511", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+                    "--shutdown-timeout", "110", "-m", "zerorun.train", "/runs/a b"]
     argv, _ = build_command(plan(launcher="torchrun", nnodes=2, node_rank=1, master_addr="10.0.0.1"))
     assert argv[3:11] == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29511"]
 

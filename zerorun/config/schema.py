@@ -182,6 +182,10 @@ class LauncherConfig:
     """None: a free port on this machine."""
     hostfile: str = ""
     """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+    stop_timeout_s: int = 110
+    """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
+    (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own
+    30 s per rank cannot be changed: zerorun does not pass it the signal (README "When things go wrong")."""
 
 
 @dataclass
