@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -179,3 +181,36 @@ def resume_point(candidates: List[Path]) -> Tuple[Optional[Tuple[Path, str]], Li
                 skipped.append(problem)
             return None, skipped
     return None, []
+
+
+UNIVERSAL = "checkpoints_universal"
+"""Beside checkpoints/: saved tags converted to DeepSpeed's universal format, for another data-parallel size."""
+
+
+def to_universal(root: Path, tag: str, out_root: Path, env: Dict[str, str]) -> Path:
+    """Convert a ZeRO ≥ 1 tag (optimizer states sharded over the saving ranks) with DeepSpeed's own tool
+    (deepspeed.checkpoint.ds_to_universal) so any number of ranks can load it (ds_config
+    ``checkpoint.load_universal``) into ``out_root/tag`` (the resuming run's checkpoints_universal/), with its
+    own COMPLETE and manifest, so it is trusted like any save. Converted once per tag; returns out_root."""
+    target = out_root / tag
+    if damage(out_root, tag) is None:
+        return out_root
+    partial = out_root / f"{tag}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    out_root.mkdir(parents=True, exist_ok=True)
+    # --inject_missing_state: a plain (non-Megatron) module saves no universal_checkpoint_info.
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(root / tag), "--output_folder", str(partial), "--inject_missing_state",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {root / tag} to a universal checkpoint failed:\n{proc.stdout[-2000:]}")
+    (out_root / "latest_universal").unlink(missing_ok=True)  # the tool's pointer; zerorun names the tag
+    for rng in (root / tag).glob("rng_rank*.pt"):
+        shutil.copy2(rng, partial / rng.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(partial, target)
+    mark = {**marker(root, tag), "universal": True, "converted_from": str(root / tag)}
+    mark["files"] = manifest(target)
+    _atomic_write(target / COMPLETE, json.dumps(mark))
+    return out_root

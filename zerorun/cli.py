@@ -16,8 +16,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, faults, launcher, supervise
-from .config import (ConfigError, DataError, GateMode, OffloadDevice, Plan, RunConfig, UserError, World, check, compose,
-                     make_plan,
+from .config import (ConfigError, DataError, GateMode, OffloadDevice, ParallelMode, Plan, RunConfig, UserError, World,
+                     check, compose, data_parallel_size, make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
                      unknown_override_keys)
 from .hardware import GIB, Hardware, detect, resolve_hardware
@@ -131,7 +131,7 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     say(f"data: {prepared.source}, {prepared.task}: {prepared.num_train} train / {prepared.num_val} "
         f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
-    cfg, resume = _resume_point(cfg, run_dir)
+    cfg, resume = _resume_point(cfg, world, run_dir)
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
     if cfg.dry_run:
         say("dry run: nothing launched.")
@@ -148,7 +148,6 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     """Gate, plan, write the run dir's inputs and the command for one attempt (the first, or a relaunch
     after a fault with the repaired config)."""
     from .data import too_few_sequences
-    from .ds_config import render
 
     cfg, decision = gated(cfg, world, hw, prepared, run_dir)
     if cfg.offload.device == OffloadDevice.nvme and not cfg.offload.nvme_path:
@@ -167,7 +166,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     if short:
         raise short
     run_dir.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)), plan=plan.to_json(),
-                         ds_config=render(cfg, plan), prepared=prepared.to_json(), resume=resume,
+                         ds_config=_ds_config(cfg, plan, resume), prepared=prepared.to_json(), resume=resume,
                          estimate={**decision.estimate.to_json(), "gate": {
                              "mode": decision.mode.value, "ok": decision.ok, "message": decision.message,
                              "changes": [dataclasses.asdict(c) for c in decision.changes]}})
@@ -193,7 +192,7 @@ def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
     return [run_dir] + siblings
 
 
-def _resume_point(cfg: RunConfig, run_dir: RunDir) -> Tuple[RunConfig, Optional[dict]]:
+def _resume_point(cfg: RunConfig, world: World, run_dir: RunDir) -> Tuple[RunConfig, Optional[dict]]:
     """With trainer.resume: the newest complete checkpoint whose files match their manifest (damaged ones
     are named and passed over), and the config changes OOM recoveries of that run made, applied again."""
     if not cfg.trainer.resume:
@@ -219,7 +218,51 @@ def _resume_point(cfg: RunConfig, run_dir: RunDir) -> Tuple[RunConfig, Optional[
         if source.resolve() != run_dir.path.resolve():
             for event in RunDir(source).read_recoveries():
                 run_dir.append_recovery({**event, "run_dir": str(source)})
-    return cfg, {"checkpoint_dir": str(root.resolve()), "tag": tag}
+    resume = {"checkpoint_dir": str(root.resolve()), "tag": tag}
+    return cfg, _for_this_world(cfg, world, root, tag, resume, run_dir)
+
+
+def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: dict, run_dir: RunDir) -> dict:
+    """A checkpoint saved by another number of data-parallel ranks: ZeRO-0 holds the whole optimizer and
+    loads as is; ZeRO ≥ 1 shards it, so it is converted to DeepSpeed's universal format first (once)."""
+    saved = checkpoint.marker(root, tag)
+    then = saved.get("world", {}).get("data_parallel")
+    now = data_parallel_size(cfg, world)
+    if not then or then == now:
+        return resume
+    if cfg.parallel.mode == ParallelMode.pipeline:
+        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
+                        "pipeline checkpoints resume only on the same layout.",
+                        f"launcher.nproc_per_node={saved.get('world', {}).get('ranks', then)} (as saved)",
+                        key="launcher.nproc_per_node", value=world.nproc_per_node)
+    was = saved.get("world", {}).get("global_batch")
+    if was and was != make_plan(cfg, world).global_batch_size:
+        say(f"warning: the global batch was {was} and is now {make_plan(cfg, world).global_batch_size}: "
+            f"trainer.global_batch_size={was} keeps the optimization (and the data order) the same.")
+    if saved.get("zero_stage", 0) == 0:
+        say(f"the checkpoint was saved by {then} data-parallel ranks, this run has {now}: ZeRO-0 checkpoints "
+            "hold the whole optimizer state and load as they are.")
+        return resume
+    say(f"the checkpoint was saved by {then} data-parallel ranks, this run has {now}: converting it to "
+        "DeepSpeed's universal checkpoint format (deepspeed.checkpoint.ds_to_universal, once) ...")
+    try:
+        out = checkpoint.to_universal(root, tag, run_dir.path / checkpoint.UNIVERSAL,
+                                      launcher.rank_env(world.accelerator, 1))
+    except RuntimeError as e:
+        raise UserError(str(e), f"convert it yourself: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+                        f"{root / tag} --output_folder {run_dir.path / checkpoint.UNIVERSAL / tag} "
+                        "--inject_missing_state", key="trainer.resume_from") from e
+    say(f"converted: resuming from {out / tag} (checkpoint.load_universal)")
+    return {"checkpoint_dir": str(out.resolve()), "tag": tag, "universal": True, "converted_from": str(root / tag)}
+
+
+def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict]) -> dict:
+    from .ds_config import render
+
+    ds = render(cfg, plan)
+    if resume and resume.get("universal"):  # a checkpoint converted for another data-parallel size
+        ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
+    return ds
 
 
 def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> launcher.LaunchPlan:

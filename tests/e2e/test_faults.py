@@ -26,7 +26,7 @@ def baseline(tmp_path_factory, cache_dir):
     run = tmp_path_factory.mktemp("faults") / "baseline"
     proc = run_zerorun(RUN, run, cache_dir)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    return {m["step"]: m for m in read_metrics(run)}
+    return {"run": run, **{m["step"]: m for m in read_metrics(run)}}
 
 
 def summary(run):
@@ -198,3 +198,22 @@ def test_damaged_checkpoints_are_named_passed_over_or_refused(tmp_path, cache_di
     errors = [line for line in refused.stdout.splitlines() if "error:" in line]
     assert len(errors) == 1 and "mp_rank_00_model_states.pt is missing" in errors[0], refused.stdout[-2000:]
     assert "nothing was launched" in refused.stdout
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, cache_dir, baseline):
+    run = tmp_path / "one-rank"
+    args = ["launcher.nproc_per_node=1", "trainer.max_steps=10", "trainer.global_batch_size=8", *RUN[2:],
+            "trainer.resume=true", f"trainer.resume_from={baseline['run']}"]
+    proc = run_zerorun(args, run, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "saved by 2 data-parallel ranks, this run has 1: converting it to DeepSpeed's universal" in proc.stdout
+    converted = run / "checkpoints_universal" / "global_step8"
+    assert checkpoint.damage(run / "checkpoints_universal", "global_step8") is None  # complete, with a manifest
+    assert json.loads((run / "ds_config.json").read_text())["checkpoint"]["load_universal"] is True
+    assert json.loads((run / "resume.json").read_text())["checkpoint_dir"] == str(converted.parent)
+    assert summary(run)["resumed_from_step"] == 8 and summary(run)["world_size"] == 1
+    got = read_metrics(run)
+    assert [m["step"] for m in got] == [9, 10]
+    # The trained weights and optimizer state came back: the loss goes on from step 8's, far below a fresh
+    # model's (step 1), and the same global batch means the same sequences as 2 ranks would have used.
+    assert abs(got[0]["loss"] - baseline[8]["loss"]) < 0.3 * (baseline[1]["loss"] - baseline[8]["loss"])

@@ -153,7 +153,6 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
             continue
         if user_device != OffloadDevice.none and layout.device != user_device:
             continue
-        tier = 0 if layout.device == OffloadDevice.none else (2 if layout.params else 1)
         # Keep the user's offload.params setting unless this layout resolves it differently.
         same = params_offloaded(layout.stage, layout.device, off.params) == layout.params
         params = off.params if same else layout.params

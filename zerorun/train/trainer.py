@@ -199,7 +199,8 @@ class Trainer:
         return checkpoint.save(self.engine, self.run_dir.checkpoints, step, client_state,
                                rng_state=rng_state(), rank=self.rank, barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
-                               world={"ranks": self.world, "data_parallel": self.strategy.dp_world},
+                               world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
+                                      "global_batch": self.plan.global_batch_size},
                                kill_point=interrupts.save_kill_point(self.rank, step))
 
     def resume(self, ckpt_root, tag: str) -> None:
