@@ -109,6 +109,9 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
 def rescore(rows: List[Dict]) -> List[Dict]:
     """The stored measurements against the estimate the current code makes for the same config (same machine:
     the per-rank figure does not depend on how much RAM is free)."""
+    import dataclasses
+
+    from zerorun.calibration import calibration_for, ensure_baseline
     from zerorun.config import compose, make_plan, plan_world
     from zerorun.hardware import detect
     from zerorun.memory import estimate
@@ -119,7 +122,9 @@ def rescore(rows: List[Dict]) -> List[Dict]:
         if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
             ovs.append("launcher.nproc_per_node=2")
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
-        est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw)
+        ensure_baseline(cfg, hw)  # as a launch on this machine would: the measured process baseline, no correction
+        cal = dataclasses.replace(calibration_for(cfg, hw), corrections=())
+        est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()
         out.append(dict(r, estimate=e["per_rank_peak_bytes"], phase=e["peak_phase"]))
