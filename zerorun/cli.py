@@ -173,6 +173,9 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     if cfg.offload.device == OffloadDevice.nvme:
         Path(cfg.offload.nvme_path).mkdir(parents=True, exist_ok=True)
     lp = _launch_plan(cfg, plan, run_dir, hw)
+    if lp.launcher == "deepspeed" and lp.nnodes > 1 and not lp.hostfile:  # per node: shared run dirs differ
+        Path(launcher.node_hostfile_path(lp.run_dir, lp.node_rank)).write_text(
+            launcher.node_hostfile(lp.nnodes, lp.nproc_per_node))
     argv, env = launcher.build_command(lp)
     line = launcher.shell_line(argv, env)
     run_dir.write_command(line)

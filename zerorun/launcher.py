@@ -58,6 +58,15 @@ def rank_env(accelerator: str, threads_per_rank: int) -> Dict[str, str]:
     return env
 
 
+def node_hostfile_path(run_dir: str, node_rank: int) -> str:
+    return os.path.join(run_dir, f"hostfile.node{node_rank}")
+
+
+def node_hostfile(nnodes: int, slots: int) -> str:
+    """The world for ``deepspeed --no_ssh``: N nodes of ``slots`` ranks (names only order the nodes)."""
+    return "".join(f"node{i} slots={slots}\n" for i in range(nnodes))
+
+
 def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     """The argv and the environment additions that start every rank of the plan.
 
@@ -67,8 +76,14 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     env = rank_env(plan.accelerator, plan.threads_per_rank)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
-        if plan.hostfile:
+        if plan.hostfile:  # one launch for all nodes, over pdsh/ssh
             argv += ["--hostfile", plan.hostfile, "--num_nodes", str(plan.nnodes),
+                     "--master_addr", plan.master_addr]
+        elif plan.nnodes > 1:
+            # Node by node, zerorun started on each (as with torchrun): DeepSpeed's --no_ssh still reads the
+            # world from a hostfile, so zerorun writes one (node_hostfile) naming nodes, not hosts.
+            argv += ["--hostfile", node_hostfile_path(plan.run_dir, plan.node_rank), "--no_ssh",
+                     "--node_rank", str(plan.node_rank), "--num_nodes", str(plan.nnodes),
                      "--master_addr", plan.master_addr]
         argv += ["--num_gpus", str(plan.nproc_per_node), "--master_port", str(plan.master_port),
                  "--no_local_rank", "--module", TRAIN_MODULE, plan.run_dir]

@@ -1,7 +1,7 @@
 """LaunchPlan → argv/env, tested without starting a process."""
 import os
 
-from zerorun.launcher import LaunchPlan, build_command, cpu_shm_name, release_cpu_shm, shell_line
+from zerorun.launcher import LaunchPlan, build_command, cpu_shm_name, node_hostfile, release_cpu_shm, shell_line
 
 
 def plan(**kw):
@@ -26,6 +26,13 @@ def test_deepspeed_hostfile_multi_node():
     argv, _ = build_command(plan(accelerator="cuda", hostfile="/etc/hosts.ds", nnodes=4, master_addr="node0"))
     assert argv[1:9] == ["--hostfile", "/etc/hosts.ds", "--num_nodes", "4", "--master_addr", "node0",
                          "--num_gpus", "2"]
+
+
+def test_deepspeed_node_by_node_without_ssh():
+    argv, _ = build_command(plan(nnodes=2, node_rank=1, master_addr="10.0.0.1"))
+    assert argv[1:11] == ["--hostfile", "/runs/a b/hostfile.node1", "--no_ssh", "--node_rank", "1", "--num_nodes",
+                          "2", "--master_addr", "10.0.0.1", "--num_gpus"]
+    assert node_hostfile(2, 4) == "node0 slots=4\nnode1 slots=4\n"
 
 
 def test_torchrun_single_and_multi_node():

@@ -123,11 +123,10 @@ def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
     elif not 0 <= la.node_rank < la.nnodes:
         out.append(P(f"launcher.node_rank={la.node_rank}: must be in [0, launcher.nnodes={la.nnodes}).",
                      key="launcher.node_rank", value=la.node_rank))
-    if la.name == LauncherName.deepspeed and la.nnodes > 1 and not la.hostfile:
-        out.append(P(f"launcher=deepspeed with launcher.nnodes={la.nnodes} and no launcher.hostfile: the deepspeed "
-                     "CLI starts other nodes only from a hostfile.", "launcher.hostfile=<file with 'host slots=N' "
-                     "lines>, or launcher=torchrun started on every node with launcher.node_rank (see "
-                     "launch/README.md).", key="launcher.hostfile"))
+    if la.hostfile:
+        from ..hostfile import problems as hostfile_problems  # (zerorun.hostfile imports config.errors)
+
+        out += hostfile_problems(la.hostfile, la.nnodes)
     if la.nnodes > 1 and la.master_addr in ("127.0.0.1", "localhost") and not la.hostfile:
         out.append(P(f"launcher.nnodes={la.nnodes} with launcher.master_addr={la.master_addr}: other nodes cannot "
                      "reach this loopback address.", "launcher.master_addr=<node 0's hostname or IP>.",

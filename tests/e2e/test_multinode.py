@@ -1,0 +1,70 @@
+"""Two hosts on one machine (network namespaces, tests/netns.py), 2 CPU ranks each, zerorun started on each
+host exactly as a user starts it on a node. Losses match the same job on one host with 4 ranks."""
+import subprocess
+import time
+
+import pytest
+
+import netns
+from helpers import BIN, base_env, read_metrics, run_zerorun
+
+WHY = netns.unavailable()
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=f"no test hosts: {WHY}")]
+
+JOB = ["launcher.nproc_per_node=2", "trainer.max_steps=6", "trainer.micro_batch_size=2", "data.seq_len=64",
+       "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.progress=false", "trainer.export=false",
+       "zero=stage2", "trainer.global_batch_size=8"]
+PORT = 29611
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with netns.hosts(2) as hs:
+        yield hs
+
+
+@pytest.fixture(scope="module")
+def one_host_reference(tmp_path_factory, cache_dir):
+    run = tmp_path_factory.mktemp("multinode") / "one-host"
+    proc = run_zerorun([*[a for a in JOB if not a.startswith("launcher.nproc")], "launcher.nproc_per_node=4"],
+                       run, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return {m["step"]: m for m in read_metrics(run)}
+
+
+def start_on(host, node_rank, args, run_dir, cache):
+    """zerorun on one host, as a user runs it there (its own data cache: nothing shared but the run dir)."""
+    env = {**base_env(cache), **host.env()}
+    cmd = host.argv([str(BIN / "zerorun"), *args, f"launcher.node_rank={node_rank}", f"hydra.run.dir={run_dir}"])
+    return subprocess.Popen(cmd, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def run_on_both(hosts, args, run_dirs, tmp_path, timeout=600):
+    procs = [start_on(h, i, args, run_dirs[i], tmp_path / f"cache{i}") for i, h in enumerate(hosts)]
+    outs = []
+    deadline = time.time() + timeout
+    for p in procs:
+        outs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+    return [p.returncode for p in procs], outs
+
+
+def multinode(hosts, launcher, port):
+    return [*JOB, f"launcher={launcher}", "launcher.nnodes=2", f"launcher.master_addr={hosts[0].addr}",
+            f"launcher.master_port={port}"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_two_hosts_shared_run_dir(hosts, tmp_path, one_host_reference, launcher):
+    run = tmp_path / "run"
+    run.mkdir()
+    codes, outs = run_on_both(hosts, multinode(hosts, launcher, PORT + (launcher == "deepspeed")), [run, run],
+                              tmp_path)
+    assert codes == [0, 0], "\n=====\n".join(o[-2500:] for o in outs)
+    got = read_metrics(run)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    assert got[-1]["loss"] < got[0]["loss"]
+    for m in got:  # the same job on 4 ranks of one host: same data, same math, another reduction order
+        want = one_host_reference[m["step"]]
+        assert m["data_fingerprint"] == want["data_fingerprint"]
+        assert m["loss"] == pytest.approx(want["loss"], rel=1e-4), m["step"]
