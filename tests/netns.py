@@ -30,7 +30,7 @@ class Host:
     def env(self) -> dict:
         # gloo binds the address its hostname resolves to unless told the interface; in a namespace that
         # is an address the namespace does not have.
-        return {"GLOO_SOCKET_IFNAME": self.ifname, "NCCL_SOCKET_IFNAME": self.ifname, "MASTER_ADDR_HINT": self.addr}
+        return {"GLOO_SOCKET_IFNAME": self.ifname, "NCCL_SOCKET_IFNAME": self.ifname}
 
 
 def unavailable() -> Optional[str]:

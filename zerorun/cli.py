@@ -7,6 +7,7 @@ as a zerorun.config.UserError: one clear line (or one per problem), exit 2, noth
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,14 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
     cfg, resume = _resume_point(cfg, world, run_dir)
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
+    la = cfg.launcher
+    if la.nnodes > 1 and not la.hostfile:  # started node by node: the rendezvous, checked in seconds
+        from . import netcheck
+
+        problem = netcheck.port_problem(first.master_port) if la.node_rank == 0 else netcheck.master_problem(
+            la.master_addr, first.master_port, la.join_timeout_s, log=say, listener=not cfg.dry_run)
+        if problem:
+            raise problem
     if cfg.dry_run:
         say("dry run: nothing launched.")
         return Outcome(str(run_dir.path), EXIT_OK, "dry-run")
@@ -181,6 +190,12 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")
     say(f"command: {line}")
+    if cfg.launcher.nnodes > 1:  # what every node's ranks compare when they first meet (train/preflight.py)
+        from .train import preflight
+
+        env = {**env, preflight.ENV: json.dumps(preflight.launcher_facts(
+            OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.launcher.node_rank, [prepared.train, prepared.val],
+            world.nproc_per_node, hw.gpus_per_node if world.accelerator == "cuda" else 0))}
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
                             master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes)
 

@@ -48,6 +48,8 @@ class Ended:
         kinds = {r.get("kind") for r in self.records}
         if self.completed:
             return "completed"
+        if "preflight" in kinds:
+            return "preflight"
         if "oom" in kinds:
             return "oom"
         if "preempted" in kinds or self.signalled:
@@ -71,6 +73,10 @@ def decide(launch: Launch, ended: Ended, history: List[Dict[str, Any]]) -> Verdi
     kind = ended.kind()
     if kind == "completed":
         return Verdict("done", faults.EXIT_OK, "completed")
+    if kind == "preflight":
+        rec = next(r for r in ended.records if r.get("kind") == "preflight")
+        return Verdict("stop", faults.EXIT_BAD_INPUT, "the nodes differ: " + " | ".join(rec.get("problems", []))
+                       + ". Install the same software and pass the same overrides and data on every node")
     if kind == "preempted":
         return Verdict("stop", faults.EXIT_PREEMPTED, "stopped by a signal; rerun the same command with "
                        "trainer.resume=true to continue from the checkpoint")

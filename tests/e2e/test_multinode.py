@@ -68,3 +68,43 @@ def test_two_hosts_shared_run_dir(hosts, tmp_path, one_host_reference, launcher)
         want = one_host_reference[m["step"]]
         assert m["data_fingerprint"] == want["data_fingerprint"]
         assert m["loss"] == pytest.approx(want["loss"], rel=1e-4), m["step"]
+
+
+def test_nodes_that_differ_fail_in_seconds_naming_the_node_and_the_difference(hosts, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    args = multinode(hosts, "torchrun", PORT + 2)
+    procs = [start_on(hosts[0], 0, args, run, tmp_path / "cache0"),
+             start_on(hosts[1], 1, [*args, "trainer.lr=1e-3"], run, tmp_path / "cache1")]
+    t0 = time.time()
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    elapsed = time.time() - t0
+    assert [p.returncode for p in procs] == [2, 2], "\n=====\n".join(o[-2500:] for o in outs)
+    for out in outs:  # the same line on every node
+        assert "the nodes differ: node 1 (" in out and "its config differs from node 0's" in out, out[-2500:]
+    assert elapsed < 60, elapsed  # before any model is built; startup included
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_wrong_master_address_or_a_taken_port_fails_at_once(hosts, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    wrong = hosts[1].addr.rsplit(".", 1)[0] + ".99"  # in the subnet, no such host
+    t0 = time.time()
+    proc = start_on(hosts[1], 1, [*JOB, "launcher=torchrun", "launcher.nnodes=2", f"launcher.master_addr={wrong}",
+                                  f"launcher.master_port={PORT + 3}"], run, tmp_path / "cache1")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and f"launcher.master_addr={wrong} cannot be reached from this node" in out, out[-2000:]
+    assert time.time() - t0 < 60
+    taker = subprocess.Popen(hosts[0].argv(["python3", "-c", f"import socket,time; s=socket.socket(); "
+                                            f"s.bind(('', {PORT + 4})); s.listen(); time.sleep(120)"]))
+    try:
+        time.sleep(1)
+        proc = start_on(hosts[0], 0, [*JOB, "launcher=torchrun", "launcher.nnodes=2",
+                                      f"launcher.master_addr={hosts[0].addr}", f"launcher.master_port={PORT + 4}"],
+                        run, tmp_path / "cache0")
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 2 and f"launcher.master_port={PORT + 4} is already in use" in out, out[-2000:]
+        assert "nothing was launched" in out
+    finally:
+        taker.kill()

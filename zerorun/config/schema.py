@@ -182,6 +182,9 @@ class LauncherConfig:
     """None: a free port on this machine."""
     hostfile: str = ""
     """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+    join_timeout_s: int = 120
+    """Multi-node, nodes other than 0: how long to wait for node 0's rendezvous port before failing (an
+    unknown or unreachable launcher.master_addr fails at once)."""
     stop_timeout_s: int = 110
     """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own

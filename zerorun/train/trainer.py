@@ -46,6 +46,7 @@ class Trainer:
 
         deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        _agree_or_leave(run_dir, dist, self.rank)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.accel = get_accelerator()
         if self.accel.device_name() == "cuda":
@@ -258,3 +259,18 @@ def _loss_scale(engine) -> Optional[float]:
         if value is not None and hasattr(value, "item"):
             return float(value.item())
     return None
+
+
+def _agree_or_leave(run_dir: RunDir, dist, rank: int) -> None:
+    """Multi-node: before the model is built, every node must run the same software, config and data."""
+    from .. import faults
+    from . import preflight
+
+    problems = preflight.check(dist, rank)
+    if not problems:
+        return
+    faults.record(run_dir.path, rank, "preflight", problems=problems)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        for p in problems:
+            print(f"zerorun: preflight: {p}", file=sys.stderr, flush=True)
+    os._exit(faults.EXIT_BAD_INPUT)
