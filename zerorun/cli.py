@@ -16,8 +16,9 @@ from typing import List, Optional, Sequence, Tuple
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, faults, launcher, supervise
-from .config import (ConfigError, DataError, GateMode, OffloadDevice, ParallelMode, Plan, RunConfig, UserError, World,
+from . import checkpoint, faults, launcher, netcheck, supervise
+from .config import (ConfigError, DataError, GateMode, OffloadDevice, ParallelMode, Plan, Rendezvous, RunConfig,
+                     UserError, World,
                      check, compose, data_parallel_size, make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
                      unknown_override_keys)
@@ -136,9 +137,8 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
     la = cfg.launcher
     if la.nnodes > 1 and not la.hostfile:  # started node by node: the rendezvous, checked in seconds
-        from . import netcheck
-
-        problem = netcheck.port_problem(first.master_port) if la.node_rank == 0 else netcheck.master_problem(
+        serves = netcheck.is_local(la.master_addr) if la.rdzv == Rendezvous.c10d else la.node_rank == 0
+        problem = netcheck.port_problem(first.master_port) if serves else netcheck.master_problem(
             la.master_addr, first.master_port, la.join_timeout_s, log=say, listener=not cfg.dry_run)
         if problem:
             raise problem
@@ -290,7 +290,10 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         accelerator=world.accelerator, nnodes=la.nnodes, node_rank=la.node_rank, master_addr=la.master_addr,
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
         threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), bin_dir=launcher.default_bin_dir(),
-        stop_timeout_s=la.stop_timeout_s)
+        stop_timeout_s=la.stop_timeout_s, rdzv=la.rdzv.value, rdzv_id=la.rdzv_id or cfg.name,
+        min_nnodes=la.min_nnodes or 0,
+        rdzv_host=la.rdzv == Rendezvous.c10d and la.nnodes > 1 and netcheck.is_local(la.master_addr),
+        local_addr=netcheck.route_addr(la.master_addr) if la.rdzv == Rendezvous.c10d and la.nnodes > 1 else "")
 
 
 # ---------------------------------------------------------------------------------------------

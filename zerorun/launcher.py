@@ -29,6 +29,11 @@ class LaunchPlan:
     threads_per_rank: int = 1
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
     stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
+    rdzv: str = "static"  # torchrun: "static" | "c10d"
+    rdzv_id: str = ""
+    min_nnodes: int = 0  # c10d: elastic minimum (0: fixed at nnodes)
+    rdzv_host: bool = False  # c10d: this node serves the rendezvous store (master_addr is one of its addresses)
+    local_addr: str = ""  # c10d: this node's address as the others reach it
 
 
 # torchrun handles only SIGTERM/INT/HUP/QUIT by default: SIGUSR1/2 (Slurm --signal, submitit) would kill it
@@ -90,7 +95,17 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
         return argv, env
     if plan.launcher == "torchrun":
         argv = [_exe(plan, "torchrun"), "--nproc-per-node", str(plan.nproc_per_node)]
-        if plan.nnodes > 1:
+        if plan.nnodes > 1 and plan.rdzv == "c10d":
+            # Any start order: torchrun assigns node ranks; the node at the endpoint hosts the store.
+            nodes = f"{plan.min_nnodes}:{plan.nnodes}" if plan.min_nnodes else str(plan.nnodes)
+            argv += ["--nnodes", nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     f"{plan.master_addr}:{plan.master_port}", "--rdzv-id", plan.rdzv_id]
+            # torchrun guesses the host by its hostname, wrong wherever the endpoint is not the hostname's
+            # address (several interfaces, containers); zerorun knows it (netcheck.is_local).
+            argv += ["--rdzv-conf", f"is_host={'true' if plan.rdzv_host else 'false'}"]
+            if plan.local_addr:  # else torchrun advertises its hostname's address to the ranks of other nodes
+                argv += ["--local-addr", plan.local_addr]
+        elif plan.nnodes > 1:
             argv += ["--nnodes", str(plan.nnodes), "--node-rank", str(plan.node_rank),
                      "--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
         else:

@@ -15,6 +15,30 @@ from .config.errors import UserError
 UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
 
 
+def is_local(addr: str) -> bool:
+    """Whether ``addr`` is one of this host's addresses (it can be bound here): this node hosts the rendezvous."""
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+            return True
+        except OSError:
+            return False
+
+
+def route_addr(addr: str) -> str:
+    """This host's address on the route to ``addr`` (what the other nodes reach it by); "" if unknown."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(addr), 9))  # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return ""
+
+
 def port_problem(port: int) -> Optional[UserError]:
     """Node 0 serves the rendezvous on ``port``: taken by another process, every node would wait."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -108,3 +108,23 @@ def test_a_wrong_master_address_or_a_taken_port_fails_at_once(hosts, tmp_path):
         assert "nothing was launched" in out
     finally:
         taker.kill()
+
+
+def test_c10d_rendezvous_nodes_start_in_any_order(hosts, tmp_path, one_host_reference):
+    run = tmp_path / "run"
+    run.mkdir()
+    # No node ranks: torchrun's c10d rendezvous at host 0's address assigns them; host 1 starts first.
+    args = [*JOB, "launcher=torchrun", "launcher.nnodes=2", "launcher.rdzv=c10d", "launcher.rdzv_id=job-c10d",
+            "trainer.collective_timeout_s=90",
+            f"launcher.master_addr={hosts[0].addr}", f"launcher.master_port={PORT + 5}"]
+    late = start_on(hosts[1], 0, args, run, tmp_path / "cache1")
+    time.sleep(5)
+    early = start_on(hosts[0], 0, args, run, tmp_path / "cache0")
+    outs = [p.communicate(timeout=400)[0] for p in (early, late)]
+    assert [early.returncode, late.returncode] == [0, 0], "\n=====\n".join(o[-2500:] for o in outs)
+    assert "waiting for node 0" in outs[1]
+    got = read_metrics(run)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for m in got:
+        assert m["data_fingerprint"] == one_host_reference[m["step"]]["data_fingerprint"]
+        assert m["loss"] == pytest.approx(one_host_reference[m["step"]]["loss"], rel=1e-4), m["step"]

@@ -35,6 +35,14 @@ def test_deepspeed_node_by_node_without_ssh():
     assert node_hostfile(2, 4) == "node0 slots=4\nnode1 slots=4\n"
 
 
+def test_torchrun_c10d_rendezvous_any_order_and_elastic():
+    argv, _ = build_command(plan(launcher="torchrun", nnodes=3, rdzv="c10d", rdzv_id="job7", min_nnodes=2,
+                                 master_addr="10.0.0.1"))
+    assert argv[3:11] == ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29511",
+                          "--rdzv-id", "job7"]
+    assert "--node-rank" not in argv and argv[argv.index("--rdzv-conf") + 1] == "is_host=false"
+
+
 def test_torchrun_single_and_multi_node():
     argv, _ = build_command(plan(launcher="torchrun"))
     assert argv == ["torchrun", "--nproc-per-node", "2", "--nnodes", "1", "--master-addr", "127.0.0.1",

@@ -13,7 +13,7 @@ from .plan import Buckets, Plan, World, bucket_sizes, data_parallel_size, global
 from .rules import Layout, OptimizerImpl, default_task, layouts, offload_problems, params_offloaded, resolve_task
 from .schema import (DataConfig, DataFormat, Dtype, Family, GateMode, HardwareConfig, LauncherConfig, LauncherName,
                      ModelConfig, OffloadConfig, OffloadDevice, ParallelConfig, ParallelMode, Partition,
-                     PrecisionConfig, RunConfig, Schedule, TaskConfig, TaskName, TrainerConfig, ZeroConfig,
+                     PrecisionConfig, Rendezvous, RunConfig, Schedule, TaskConfig, TaskName, TrainerConfig, ZeroConfig,
                      register_schemas)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional
 from .errors import UserError
 from .plan import World, data_parallel_size, grad_accum_steps
 from .rules import offload_problems, pipeline_problems, resolve_task, task_problems
-from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, RunConfig
+from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
 def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
@@ -123,6 +123,13 @@ def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
     elif not 0 <= la.node_rank < la.nnodes:
         out.append(P(f"launcher.node_rank={la.node_rank}: must be in [0, launcher.nnodes={la.nnodes}).",
                      key="launcher.node_rank", value=la.node_rank))
+    if la.rdzv == Rendezvous.c10d and (la.name != LauncherName.torchrun or la.nnodes < 2):
+        out.append(P(f"launcher.rdzv=c10d is torchrun's rendezvous for several nodes (launcher={la.name.value}, "
+                     f"launcher.nnodes={la.nnodes}).", "launcher=torchrun launcher.nnodes=<nodes>, or "
+                     "launcher.rdzv=static.", key="launcher.rdzv", value=la.rdzv.value))
+    if la.min_nnodes is not None and not 1 <= la.min_nnodes <= la.nnodes:
+        out.append(P(f"launcher.min_nnodes={la.min_nnodes}: must be in [1, launcher.nnodes={la.nnodes}].",
+                     f"launcher.min_nnodes={max(1, la.nnodes - 1)}", key="launcher.min_nnodes", value=la.min_nnodes))
     if la.hostfile:
         from ..hostfile import problems as hostfile_problems  # (zerorun.hostfile imports config.errors)
 

@@ -36,6 +36,11 @@ class LauncherName(str, enum.Enum):
     torchrun = "torchrun"
 
 
+class Rendezvous(str, enum.Enum):
+    static = "static"  # node ranks given (launcher.node_rank); node 0 at master_addr:master_port
+    c10d = "c10d"      # torchrun: nodes join at master_addr:master_port in any order and get their rank
+
+
 class Schedule(str, enum.Enum):
     constant = "constant"
     linear = "linear"
@@ -182,6 +187,13 @@ class LauncherConfig:
     """None: a free port on this machine."""
     hostfile: str = ""
     """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+    rdzv: Rendezvous = Rendezvous.static
+    """torchrun multi-node: static (launcher.node_rank on each node) or c10d (any start order; the node at
+    launcher.master_addr hosts the rendezvous)."""
+    rdzv_id: str = ""
+    """c10d: the job's id, the same on every node. Empty: the experiment name."""
+    min_nnodes: Optional[int] = None
+    """c10d: elastic, start with at least this many nodes (torchrun --nnodes MIN:MAX; MAX = launcher.nnodes)."""
     join_timeout_s: int = 120
     """Multi-node, nodes other than 0: how long to wait for node 0's rendezvous port before failing (an
     unknown or unreachable launcher.master_addr fails at once)."""

@@ -75,6 +75,8 @@ def check(dist, rank: int) -> List[str]:
     mine = json.loads(os.environ.get(ENV, "{}"))
     if not mine:
         return []
+    # With c10d rendezvous torchrun assigns the node rank (GROUP_RANK); the config's is a placeholder.
+    mine["node_rank"] = int(os.environ.get("GROUP_RANK", mine["node_rank"]))
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return differences([g for g in gathered if g])
