@@ -190,14 +190,16 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")
     say(f"command: {line}")
-    if cfg.launcher.nnodes > 1:  # what every node's ranks compare when they first meet (train/preflight.py)
+    if cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:  # what each node's ranks compare (train/preflight.py);
+        # not over pdsh: DeepSpeed forwards only some variables to the other nodes, and all must take part
         from .train import preflight
 
         env = {**env, preflight.ENV: json.dumps(preflight.launcher_facts(
             OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.launcher.node_rank, [prepared.train, prepared.val],
             world.nproc_per_node, hw.gpus_per_node if world.accelerator == "cuda" else 0))}
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
-                            master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes)
+                            master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes,
+                            resume=resume)
 
 
 def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:

@@ -24,6 +24,8 @@ KEY = "launcher.hostfile"
 
 def host_ok(host: str) -> bool:
     """A DNS name or an IP literal, optionally ``user@`` before it: nothing a shell or ssh reads as more."""
+    if any(c in host for c in "%,[]"):  # an IPv6 zone id takes anything; pdsh splits hosts at commas
+        return False
     user, at, name = host.rpartition("@")
     if at and not _USER.match(user):
         return False
@@ -53,7 +55,7 @@ def parse(text: str, path: str = "hostfile") -> Tuple[Dict[str, int], List[UserE
             problems.append(UserError(f"{where}: {host!r} is not a host name or address (it would reach ssh and a "
                                       "shell as it is).", "a DNS name, an IPv4/IPv6 address, optionally user@ before "
                                       "it.", key=KEY, value=path))
-        elif not slots.isdigit() or int(slots) < 1:
+        elif not slots.isdecimal() or not slots.isascii() or int(slots) < 1:
             problems.append(UserError(f"{where}: slots={slots} must be a whole number of at least 1.",
                                       "slots=<ranks on that host>, e.g. slots=8.", key=KEY, value=path))
         elif host in hosts:

@@ -34,14 +34,16 @@ def route_addr(addr: str) -> str:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((socket.gethostbyname(addr), 9))  # UDP: picks the route, sends nothing
-            return s.getsockname()[0]
+            local = s.getsockname()[0]
     except OSError:
         return ""
+    return "" if local.startswith("127.") else local  # loopback would be advertised to the other nodes
 
 
 def port_problem(port: int) -> Optional[UserError]:
     """Node 0 serves the rendezvous on ``port``: taken by another process, every node would wait."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT from the last run is no conflict
         try:
             s.bind(("", port))
         except OSError as e:

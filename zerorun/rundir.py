@@ -132,7 +132,13 @@ class RunDir:
     def read_metrics(self) -> List[Dict[str, Any]]:
         if not self.file(METRICS).exists():
             return []
-        return [json.loads(line) for line in self.file(METRICS).read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.file(METRICS).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a rank killed mid-append leaves a torn last line: those steps are redone
+                break
+        return out
 
     def write_summary(self, summary: Dict[str, Any]) -> None:
         write_atomic(self.file(SUMMARY), _json(summary))

@@ -32,6 +32,8 @@ class Launch:
     master_addr: str
     master_port: int
     estimate_bytes: int = 0
+    resume: Optional[dict] = None
+    """The checkpoint this attempt resumes from (a relaunch falls back to it when the run saved none)."""
 
 
 @dataclass
@@ -50,10 +52,10 @@ class Ended:
             return "completed"
         if "preflight" in kinds:
             return "preflight"
+        if "preempted" in kinds or self.signalled:  # the node is going away: no relaunch here
+            return "preempted"
         if "oom" in kinds:
             return "oom"
-        if "preempted" in kinds or self.signalled:
-            return "preempted"
         return "crashed"
 
 
@@ -80,6 +82,13 @@ def decide(launch: Launch, ended: Ended, history: List[Dict[str, Any]]) -> Verdi
     if kind == "preempted":
         return Verdict("stop", faults.EXIT_PREEMPTED, "stopped by a signal; rerun the same command with "
                        "trainer.resume=true to continue from the checkpoint")
+    if launch.cfg.launcher.nnodes > 1:
+        # Every node's zerorun would decide on its own over a shared run dir: relaunching stays with the
+        # user (or the scheduler), all nodes together.
+        code = faults.EXIT_OOM if kind == "oom" else faults.EXIT_FAILED
+        return Verdict("stop", code, f"{'a rank ran out of memory' if kind == 'oom' else 'a rank failed'} in a "
+                       "multi-node job: rerun it on every node with trainer.resume=true (and a smaller "
+                       "trainer.micro_batch_size after an OOM)")
     if kind == "oom":
         oom = next(r for r in ended.records if r.get("kind") == "oom")
         where = f"rank {oom.get('rank')} ran out of memory at step {oom.get('step', '?')}"
@@ -105,26 +114,13 @@ def decide(launch: Launch, ended: Ended, history: List[Dict[str, Any]]) -> Verdi
                    f"(launcher exit {ended.rc})", cfg=launch.cfg, wait_s=wait)
 
 
-def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None]) -> Ended:
-    """Start the ranks and wait. A stop signal to zerorun becomes the run dir's stop request: the ranks
-    save at the next step and exit, with no launcher timeout to race (torchrun, the deepspeed CLI)."""
+def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None], got: List[str]) -> Ended:
+    """Start the ranks and wait. A stop signal to zerorun (``got``, filled by the handler ``supervise``
+    installs) becomes the run dir's stop request: the ranks save at the next step and exit, with no
+    launcher timeout to race (torchrun, the deepspeed CLI)."""
     faults.clear(run_dir.path)
     run_dir.clear_outcome()
-    got: List[str] = []
-
-    def on_signal(signum, _frame):
-        name = signal.Signals(signum).name
-        if not got:
-            say(f"{name}: asking the ranks to save a checkpoint at the next step and stop ...")
-        got.append(name)
-        faults.request_stop(run_dir.path, name)
-
-    previous = {s: signal.signal(getattr(signal, s), on_signal) for s in faults.STOP_SIGNALS}
-    try:
-        rc = launcher.run(launch.argv, launch.env)
-    finally:
-        for s, h in previous.items():
-            signal.signal(getattr(signal, s), h)
+    rc = launcher.run(launch.argv, launch.env)
     # No orphans: ranks a dead launcher left behind get the stop grace (they may be saving), then SIGKILL.
     killed = launcher.reap(str(run_dir.path.resolve()), launch.cfg.launcher.stop_timeout_s if got else 10.0)
     if killed:
@@ -143,9 +139,30 @@ def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None]) -> E
 def supervise(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Optional[dict]], Launch],
               say: Callable[[str], None]) -> int:
     """Attempts until the run completes or a verdict stops it; returns zerorun's exit code."""
+    got: List[str] = []
+
+    def on_signal(signum, _frame):
+        name = signal.Signals(signum).name
+        if not got:
+            say(f"{name}: asking the ranks to save a checkpoint at the next step and stop ...")
+        got.append(name)
+        faults.request_stop(run_dir.path, name)
+
+    previous = {s: signal.signal(getattr(signal, s), on_signal) for s in faults.STOP_SIGNALS}
+    try:
+        return _attempts(first, run_dir, relaunch, say, got)
+    finally:
+        for s, h in previous.items():
+            signal.signal(getattr(signal, s), h)
+
+
+def _attempts(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Optional[dict]], Launch],
+              say: Callable[[str], None], got: List[str]) -> int:
+    from .config import UserError
+
     launch, attempt = first, 1
     while True:
-        ended = _run_ranks(launch, run_dir, say)
+        ended = _run_ranks(launch, run_dir, say, got)
         history = run_dir.read_recoveries()
         verdict = decide(launch, ended, history)
         if verdict.action == "done":
@@ -159,16 +176,29 @@ def supervise(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Opt
         point, skipped = checkpoint.resume_point([run_dir.path])
         for why in skipped:
             say(f"passing over a damaged checkpoint: {why}")
-        resume = {"checkpoint_dir": str(point[0].resolve()), "tag": point[1]} if point else None
+        # Nothing saved by this run yet: the checkpoint it started from (another run's, or a converted one).
+        resume = {"checkpoint_dir": str(point[0].resolve()), "tag": point[1]} if point else launch.resume
         if verdict.changes:
             say(f"{verdict.reason}; relaunching with " + ", ".join(
                 f"{c.key} {c.old} → {c.new} ({c.why})" for c in verdict.changes))
         else:
             say(f"{verdict.reason}; restarting in {verdict.wait_s:.0f} s "
                 f"(restart {sum(e['kind'] == 'restart' for e in history) + 1} of {launch.cfg.trainer.max_restarts})")
-            time.sleep(verdict.wait_s)
-        say(f"resuming from {point[0] / point[1]}" if point else "no complete checkpoint yet: starting over")
-        launch = relaunch(verdict.cfg, resume)
+            deadline = time.monotonic() + verdict.wait_s
+            while not got and time.monotonic() < deadline:
+                time.sleep(min(1.0, verdict.wait_s))
+        if got:  # stopped between attempts: the last checkpoint stands
+            run_dir.append_recovery({"kind": "preempted", "attempt": attempt, "signal": got[0],
+                                     "time": time.strftime("%Y-%m-%d %H:%M:%S"), "step": ended.last_step})
+            say(f"{got[0]} before the relaunch: stopping; resume with trainer.resume=true. Run dir: {run_dir.path}")
+            return faults.EXIT_PREEMPTED
+        say(f"resuming from {resume['checkpoint_dir']}/{resume['tag']}" if resume
+            else "no complete checkpoint yet: starting over")
+        try:
+            launch = relaunch(verdict.cfg, resume)
+        except UserError as e:  # e.g. the gate refuses the repaired config
+            say(f"cannot relaunch: {e}. Run dir: {run_dir.path}")
+            return verdict.code
         attempt += 1
 
 

@@ -100,14 +100,14 @@ def test_batch_must_divide_with_fix():
 
 def test_multi_node_checks():
     problems = [str(p) for p in check(composed("launcher.nnodes=2"), GPU8)]
-    assert len(problems) == 1 and "loopback" in problems[0]
-    assert check(composed("launcher=torchrun", "launcher.nnodes=2", "launcher.master_addr=node0"), GPU8) == []
+    assert len(problems) == 2 and "without launcher.master_port" in problems[0] and "loopback" in problems[1]
+    ok = ("launcher.nnodes=2", "launcher.master_addr=node0", "launcher.master_port=29500")
+    assert check(composed("launcher=torchrun", *ok), GPU8) == []
     c10d = [str(p) for p in check(composed("launcher.rdzv=c10d", "launcher.min_nnodes=3"), GPU8)]
     assert len(c10d) == 2 and "launcher.rdzv=c10d is torchrun's" in c10d[0] and "min_nnodes=3" in c10d[1]
-    assert check(composed("launcher=torchrun", "launcher.nnodes=2", "launcher.master_addr=node0",
-                          "launcher.rdzv=c10d", "launcher.min_nnodes=1"), GPU8) == []
+    assert check(composed("launcher=torchrun", *ok, "launcher.rdzv=c10d", "launcher.min_nnodes=1"), GPU8) == []
     # deepspeed node by node (--no_ssh, zerorun writes the hostfile) needs no hostfile either
-    assert check(composed("launcher.nnodes=2", "launcher.master_addr=node0"), GPU8) == []
+    assert check(composed(*ok), GPU8) == []
 
 
 def test_unknown_keys_are_found_with_suggestions():

@@ -34,9 +34,14 @@ INJECTION = [
     "worker- slots=1",
     "host>out slots=1",
     "{a,b} slots=1",
+    "fe80::1%$(touch${IFS}x) slots=1",
+    "fe80::1%`id` slots=1",
+    "fe80::1%x,-oProxyCommand=id slots=1",
+    "a,b slots=1",
+    "[fe80::1] slots=1",
 ]
 BAD_SLOTS = ["worker-0 slots=0", "worker-0 slots=-1", "worker-0 slots=two", "worker-0 slots=1.5",
-             "worker-0", "worker-0 slots=2 extra", "worker-0 slots=", "slots=2"]
+             "worker-0", "worker-0 slots=2 extra", "worker-0 slots=", "slots=2", "worker-0 slots=²"]
 
 
 @pytest.mark.parametrize("line", INJECTION + BAD_SLOTS)

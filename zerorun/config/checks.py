@@ -134,6 +134,10 @@ def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
         from ..hostfile import problems as hostfile_problems  # (zerorun.hostfile imports config.errors)
 
         out += hostfile_problems(la.hostfile, la.nnodes)
+    if la.nnodes > 1 and la.master_port is None:
+        out.append(P(f"launcher.nnodes={la.nnodes} without launcher.master_port: each node would pick its own free "
+                     "port and never meet.", "launcher.master_port=<a free port on node 0, the same on every node>.",
+                     key="launcher.master_port"))
     if la.nnodes > 1 and la.master_addr in ("127.0.0.1", "localhost") and not la.hostfile:
         out.append(P(f"launcher.nnodes={la.nnodes} with launcher.master_addr={la.master_addr}: other nodes cannot "
                      "reach this loopback address.", "launcher.master_addr=<node 0's hostname or IP>.",

@@ -46,11 +46,11 @@ class Trainer:
 
         deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        _agree_or_leave(run_dir, dist, self.rank)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.accel = get_accelerator()
         if self.accel.device_name() == "cuda":
-            self.accel.set_device(self.local_rank)
+            self.accel.set_device(self.local_rank)  # before the first collective: NCCL uses the current device
+        _agree_or_leave(run_dir, dist, self.rank)
         from ..models import import_model_code
 
         import_model_code(self.cfg.model.family)
