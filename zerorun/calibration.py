@@ -85,13 +85,14 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
         return
     log("measuring a CPU rank's process baseline on this machine (once per machine and software) ...")
     t0 = time.perf_counter()
+    proc = None
     try:
         proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", cfg.model.family.value],
                               env={**os.environ, **launcher.rank_env("cpu", 1)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=600, start_new_session=True)
         measured = int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError, KeyError) as e:
-        tail = locals().get("proc") and proc.stderr[-500:]
+        tail = proc.stderr[-500:] if proc is not None else ""
         log(f"warning: could not measure the process baseline ({e or type(e).__name__}); the gate uses its "
             f"prior {DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB. {tail or ''}".strip())
         return

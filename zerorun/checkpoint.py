@@ -153,16 +153,6 @@ def load(engine, root: Path, tag: str, *, rank: int) -> Tuple[Dict[str, Any], Op
     return client_state, rng
 
 
-def find_resume_point(candidates: List[Path]) -> Optional[Tuple[Path, str]]:
-    """The first candidate checkpoint root (or run dir holding checkpoints/) with a complete tag."""
-    for c in candidates:
-        for root in (c / "checkpoints", c):
-            tag = latest_tag(root)
-            if tag:
-                return root, tag
-    return None
-
-
 def resume_point(candidates: List[Path]) -> Tuple[Optional[Tuple[Path, str]], List[str]]:
     """The newest complete, undamaged checkpoint of the first candidate that has complete ones, and why
     each newer complete one was passed over (the launcher prints them; when nothing is left, the error)."""

@@ -9,10 +9,11 @@ tells a scheduler what happened.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List
+
+from .rundir import write_atomic
 
 # Exit codes of `zerorun` (README "When things go wrong"); ranks use the same ones.
 EXIT_OK = 0
@@ -46,9 +47,7 @@ def record(run_dir: Path, rank: int, kind: str, **info: Any) -> Path:
     d = Path(run_dir) / FAULTS_DIR
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"rank{rank}.json"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"kind": kind, "rank": rank, "time": time.time(), **info}, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"kind": kind, "rank": rank, "time": time.time(), **info}, default=str))
     return path
 
 

@@ -10,7 +10,7 @@ def make_tag(root: Path, step: int, complete: bool = True) -> None:
     d = root / checkpoint.tag_for(step)
     d.mkdir(parents=True)
     if complete:
-        (d / checkpoint.COMPLETE).write_text("{}")
+        (d / checkpoint.COMPLETE).write_text(f'{{"step": {step}}}')  # a marker as zerorun writes it
 
 
 def test_complete_tags_are_sorted_by_step_and_incomplete_ones_ignored(tmp_path):
@@ -32,13 +32,13 @@ def test_latest_tag_follows_the_pointer_only_when_it_names_a_complete_tag(tmp_pa
     assert checkpoint.latest_tag(tmp_path) == "global_step8"
 
 
-def test_find_resume_point_takes_the_first_candidate_with_a_complete_tag(tmp_path):
+def test_resume_point_takes_the_first_candidate_with_a_complete_tag(tmp_path):
     empty, older = tmp_path / "empty", tmp_path / "older"
     empty.mkdir()
     make_tag(older / "checkpoints", 6)
-    assert checkpoint.find_resume_point([empty, older]) == (older / "checkpoints", "global_step6")
-    assert checkpoint.find_resume_point([older / "checkpoints"]) == (older / "checkpoints", "global_step6")
-    assert checkpoint.find_resume_point([empty]) is None
+    assert checkpoint.resume_point([empty, older]) == ((older / "checkpoints", "global_step6"), [])
+    assert checkpoint.resume_point([older / "checkpoints"]) == ((older / "checkpoints", "global_step6"), [])
+    assert checkpoint.resume_point([empty]) == (None, [])
 
 
 def test_resume_candidates_this_run_then_siblings_newest_first(tmp_path):
