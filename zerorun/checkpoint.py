@@ -4,7 +4,7 @@ DeepSpeed's own ``latest`` file is written by rank 0 before the other ranks fini
 and its checkpoint holds no RNG state. So zerorun keeps its own protocol:
 
   every rank: engine.save_checkpoint(save_latest=False) + its own rng_rank{r}.pt
-  barrier → rank 0 writes COMPLETE in the tag dir (the step, the world that saved it, and a manifest:
+  barrier → rank 0 (with node-local checkpoints: local rank 0 of each node) writes COMPLETE in the tag dir (the step, the world that saved it, and a manifest:
   every file's size and SHA-256), then the ``zerorun_latest`` pointer (tmp + rename)
   → retention deletes the oldest complete tags beyond keep_last → barrier.
 
@@ -82,7 +82,7 @@ def _die_at(point: Optional[int], here: int) -> None:
 
 
 def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_state: Dict[str, Any], rank: int,
-         barrier: Callable[[], None], keep_last: int, world: Optional[Dict[str, int]] = None,
+         writer: bool, barrier: Callable[[], None], keep_last: int, world: Optional[Dict[str, int]] = None,
          kill_point: Optional[int] = None) -> str:
     import torch
 
@@ -94,7 +94,7 @@ def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_sta
     torch.save(rng_state, root / tag / f"rng_rank{rank}.pt")
     _die_at(kill_point, 2)
     barrier()
-    if rank == 0:
+    if writer:  # rank 0; with node-local checkpoints local rank 0 of each node, over that node's files
         marker = {"step": step, **client_state, "world": world or {},
                   "zero_stage": int(getattr(engine, "zero_optimization_stage", lambda: 0)()),
                   "files": manifest(root / tag)}

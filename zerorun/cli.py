@@ -145,7 +145,16 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     if cfg.dry_run:
         say("dry run: nothing launched.")
         return Outcome(str(run_dir.path), EXIT_OK, "dry-run")
-    code = supervise.supervise(first, run_dir, lambda c, r: _prepare(c, world, hw, prepared, run_dir, r), say)
+    from .train.preflight import NODES_DIR, launcher_id
+
+    here = run_dir.path / NODES_DIR / launcher_id()  # which nodes see it tells whether the run dir is shared
+    if la.nnodes > 1 and not la.hostfile:
+        here.parent.mkdir(exist_ok=True)
+        here.touch()
+    try:
+        code = supervise.supervise(first, run_dir, lambda c, r: _prepare(c, world, hw, prepared, run_dir, r), say)
+    finally:
+        here.unlink(missing_ok=True)
     if code == EXIT_FAILED:
         say(f"training failed (exit code {code}); the failing rank's error is above. Run dir: {run_dir.path}")
     return Outcome(str(run_dir.path), code, {EXIT_OK: "completed", faults.EXIT_PREEMPTED: "preempted",
@@ -196,7 +205,8 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
 
         env = {**env, preflight.ENV: json.dumps(preflight.launcher_facts(
             OmegaConf.to_yaml(OmegaConf.structured(cfg)), cfg.launcher.node_rank, [prepared.train, prepared.val],
-            world.nproc_per_node, hw.gpus_per_node if world.accelerator == "cuda" else 0))}
+            world.nproc_per_node, hw.gpus_per_node if world.accelerator == "cuda" else 0, str(run_dir.path.resolve()),
+            cfg.launcher.shared_run_dir, (resume or {}).get("tag", "")))}
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
                             master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes,
                             resume=resume)
@@ -250,6 +260,12 @@ def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: 
     now = data_parallel_size(cfg, world)
     if not then or then == now:
         return resume
+    if cfg.launcher.nnodes > 1 and not cfg.launcher.shared_run_dir:
+        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
+                        "converting it needs every node's shards in one place, and each node holds only its own.",
+                        f"copy each node's {tag} into one directory, resume there with "
+                        f"trainer.resume_from=<that run dir>, or keep {then} data-parallel ranks",
+                        key="launcher.shared_run_dir", value=False)
     if cfg.parallel.mode == ParallelMode.pipeline:
         raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
                         "pipeline checkpoints resume only on the same layout.",

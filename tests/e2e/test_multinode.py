@@ -1,5 +1,6 @@
 """Two hosts on one machine (network namespaces, tests/netns.py), 2 CPU ranks each, zerorun started on each
 host exactly as a user starts it on a node. Losses match the same job on one host with 4 ranks."""
+import json
 import subprocess
 import time
 
@@ -32,16 +33,17 @@ def one_host_reference(tmp_path_factory, cache_dir):
     return {m["step"]: m for m in read_metrics(run)}
 
 
-def start_on(host, node_rank, args, run_dir, cache):
+def start_on(host, node_rank, args, run_dir, cache, env_extra=None):
     """zerorun on one host, as a user runs it there (its own data cache: nothing shared but the run dir)."""
-    env = {**base_env(cache), **host.env()}
+    env = {**base_env(cache), **host.env(), **(env_extra or {})}
     cmd = host.argv([str(BIN / "zerorun"), *args, f"launcher.node_rank={node_rank}", f"hydra.run.dir={run_dir}"])
     return subprocess.Popen(cmd, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
-def run_on_both(hosts, args, run_dirs, tmp_path, timeout=600):
-    procs = [start_on(h, i, args, run_dirs[i], tmp_path / f"cache{i}") for i, h in enumerate(hosts)]
+def run_on_both(hosts, args, run_dirs, tmp_path, timeout=600, env_extra=None):
+    procs = [start_on(h, i, args, run_dirs[i], tmp_path / f"cache{i}", (env_extra or {}).get(i))
+             for i, h in enumerate(hosts)]
     outs = []
     deadline = time.time() + timeout
     for p in procs:
@@ -64,24 +66,77 @@ def test_two_hosts_shared_run_dir(hosts, tmp_path, one_host_reference, launcher)
     got = read_metrics(run)
     assert [m["step"] for m in got] == list(range(1, 7))
     assert got[-1]["loss"] < got[0]["loss"]
+    same_as_one_host(got, one_host_reference)
+
+
+def same_as_one_host(got, reference):
     for m in got:  # the same job on 4 ranks of one host: same data, same math, another reduction order
-        want = one_host_reference[m["step"]]
+        want = reference[m["step"]]
         assert m["data_fingerprint"] == want["data_fingerprint"]
         assert m["loss"] == pytest.approx(want["loss"], rel=1e-4), m["step"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_run_dir_per_node_a_node_killed_and_the_job_resumed(hosts, tmp_path, one_host_reference, launcher):
+    """No shared filesystem: each node's run dir on its own "disk". A rank of node 1 dies after step 5; both
+    nodes stop; the same command with trainer.resume=true continues from each node's own step-4 checkpoint."""
+    runs = [tmp_path / f"disk{i}" / "run" for i in range(2)]
+    for r in runs:
+        r.mkdir(parents=True)
+    args = [*multinode(hosts, launcher, PORT + 6 + (launcher == "deepspeed")), "launcher.shared_run_dir=false",
+            "trainer.save_every=2", "trainer.export=true", "trainer.collective_timeout_s=60"]
+    t0 = time.time()
+    codes, outs = run_on_both(hosts, args, runs, tmp_path, env_extra={1: {"ZERORUN_FAULT_KILL": "3:5"}})
+    assert codes[0] != 0 and codes[1] != 0, "\n=====\n".join(o[-2500:] for o in outs)
+    assert all("rerun it on every node with trainer.resume=true" in o for o in outs), outs[0][-2500:]
+    print(f"both nodes stopped {time.time() - t0:.0f} s after the start")
+    for node, r in enumerate(runs):  # node-local: each node holds its own ranks' shards, each tag complete
+        tag = r / "checkpoints" / "global_step4"
+        assert (tag / "COMPLETE").is_file() and (tag / "mp_rank_00_model_states.pt").is_file()
+        shards = sorted(p.name.split("_")[3] for p in tag.glob("*optim_states.pt"))
+        assert shards == [str(2 * node), str(2 * node + 1)], shards
+    codes, outs = run_on_both(hosts, [*args, "trainer.resume=true"], runs, tmp_path)
+    assert codes == [0, 0], "\n=====\n".join(o[-2500:] for o in outs)
+    for node, r in enumerate(runs):  # each node's run dir is complete; only node 0 holds the export
+        got = read_metrics(r)
+        assert [m["step"] for m in got] == list(range(1, 7)), node
+        same_as_one_host(got, one_host_reference)
+        summary = json.loads((r / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["resumed_from_step"] == 4
+        assert (r / "export" / "model.safetensors").is_file() == (node == 0)
+        assert "resuming from" in outs[node]
+
+
+def test_a_run_dir_said_to_be_shared_that_is_not_fails_at_the_preflight(hosts, tmp_path):
+    runs = [tmp_path / f"disk{i}" / "run" for i in range(2)]
+    for r in runs:
+        r.mkdir(parents=True)
+    t0 = time.time()
+    codes, outs = run_on_both(hosts, multinode(hosts, "torchrun", PORT + 8), runs, tmp_path, timeout=300)
+    assert codes == [2, 2], "\n=====\n".join(o[-2500:] for o in outs)
+    for out in outs:
+        assert "does not see node 0's files in its run dir" in out and "launcher.shared_run_dir=false" in out, out[-2000:]
+    assert time.time() - t0 < 60
 
 
 def test_nodes_that_differ_fail_in_seconds_naming_the_node_and_the_difference(hosts, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     args = multinode(hosts, "torchrun", PORT + 2)
+    # Host 1 has another DeepSpeed installed, as far as package metadata tells (what `pip list` reads).
+    other = tmp_path / "other-site" / "deepspeed-0.18.0.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.18.0\n")
     procs = [start_on(hosts[0], 0, args, run, tmp_path / "cache0"),
-             start_on(hosts[1], 1, [*args, "trainer.lr=1e-3"], run, tmp_path / "cache1")]
+             start_on(hosts[1], 1, [*args, "trainer.lr=1e-3"], run, tmp_path / "cache1",
+                      {"PYTHONPATH": str(other.parent)})]
     t0 = time.time()
     outs = [p.communicate(timeout=300)[0] for p in procs]
     elapsed = time.time() - t0
     assert [p.returncode for p in procs] == [2, 2], "\n=====\n".join(o[-2500:] for o in outs)
     for out in outs:  # the same line on every node
         assert "the nodes differ: node 1 (" in out and "its config differs from node 0's" in out, out[-2500:]
+        assert "deepspeed 0.18.0 (node 0: 0.19." in out, out[-2500:]
     assert elapsed < 60, elapsed  # before any model is built; startup included
     assert not (run / "metrics.jsonl").exists()
 

@@ -114,3 +114,14 @@ def test_rendered_schedulers_construct_and_start_above_zero(schedule, warmup):
     assert max(lrs) == pytest.approx(0.1, rel=0.05 if schedule == "cosine" else 1e-9)
     if warmup == 0:
         assert lrs[0] == pytest.approx(0.1)
+
+
+def test_node_local_checkpoints_only_with_a_run_dir_per_node():
+    from zerorun.config import World
+
+    def ds(*over):
+        cfg = composed("launcher.nnodes=2", "launcher.master_port=29999", *over)
+        return render(cfg, World(nproc_per_node=2, nnodes=2, accelerator="cpu", fp16_ok=False))
+
+    assert "checkpoint" not in ds()
+    assert ds("launcher.shared_run_dir=false")["checkpoint"] == {"use_node_local_storage": True}

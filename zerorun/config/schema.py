@@ -187,6 +187,11 @@ class LauncherConfig:
     """None: a free port on this machine."""
     hostfile: str = ""
     """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
+    shared_run_dir: bool = True
+    """Multi-node: the run dir is on a filesystem every node mounts (one run dir for the job). false: each
+    node has its own (its own disk, as on SageMaker): checkpoints are node-local (DeepSpeed
+    use_node_local_storage), each node keeps its own metrics and summary, global rank 0 alone exports.
+    The preflight checks which it is."""
     rdzv: Rendezvous = Rendezvous.static
     """torchrun multi-node: static (launcher.node_rank on each node) or c10d (any start order; the node at
     launcher.master_addr hosts the rendezvous)."""

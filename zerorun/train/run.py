@@ -89,8 +89,9 @@ def _run(run_dir: RunDir, state: Dict[str, Any]) -> int:
     export_dir = export(trainer) if trainer.cfg.trainer.export else None
     trainer.rss.mark("exported")
     memory = gather_memory(trainer, live if tracker else None)
-    if trainer.rank == 0:
-        summary = build_summary(trainer, result, memory, export_dir, time.time() - t_start, tracked=bool(tracker))
+    if trainer.writes_run_dir:
+        summary = build_summary(trainer, result, memory, export_dir if trainer.rank == 0 else None,
+                                time.time() - t_start, tracked=bool(tracker))
         run_dir.write_summary(summary)
         print(f"zerorun: done. final loss {summary['final_loss']:.4f}, {summary['tokens_per_s']:.0f} tokens/s; "
               f"summary in {run_dir.file('summary.json')}", file=sys.stderr)
@@ -124,7 +125,8 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "estimated_peak_bytes": estimate.get("per_rank_peak_bytes"),
         "memory_vs_estimate": compare_with_estimate(estimate, memory),
         "checkpoint": result["checkpoint"],
-        "export": export_dir,
+        "export": export_dir,  # global rank 0 exports (with a run dir per node: into node 0's)
+        "written_by_rank": trainer.rank,
         "wall_time_s": wall_time_s,
         **result["final_eval"],
     }

@@ -47,6 +47,10 @@ class Trainer:
         deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        la = self.cfg.launcher
+        # Who writes the run dir's metrics, summary and checkpoint markers: rank 0, and with a run dir per
+        # node (launcher.shared_run_dir=false) local rank 0 of every node, so each node's is complete.
+        self.writes_run_dir = self.rank == 0 or (la.nnodes > 1 and not la.shared_run_dir and self.local_rank == 0)
         self.accel = get_accelerator()
         if self.accel.device_name() == "cuda":
             self.accel.set_device(self.local_rank)  # before the first collective: NCCL uses the current device
@@ -95,10 +99,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> Dict[str, Any]:
         cfg, tr = self.cfg, self.cfg.trainer
-        if self.rank == 0:
+        if self.writes_run_dir:
             self.run_dir.start_metrics(keep_through_step=self.start_step)
         bar = None
-        if self.rank == 0 and tr.progress:
+        if self.writes_run_dir and tr.progress:
             from tqdm import tqdm
 
             bar = tqdm(total=tr.max_steps, initial=self.start_step, desc="train", unit="step",
@@ -129,7 +133,7 @@ class Trainer:
             if tr.eval_every and step % tr.eval_every == 0 and step != tr.max_steps:
                 record.update(self.evaluate())
             history.append(record)
-            if self.rank == 0:
+            if self.writes_run_dir:
                 self.run_dir.append_metrics([record])
                 if bar is not None:
                     if "val_loss" in record:  # the latest evaluation stays on the progress line
@@ -198,7 +202,8 @@ class Trainer:
     def save(self, step: int) -> str:
         client_state = {"step": step, "consumed": self.sampler.consumed}
         return checkpoint.save(self.engine, self.run_dir.checkpoints, step, client_state,
-                               rng_state=rng_state(), rank=self.rank, barrier=self.dist.barrier,
+                               rng_state=rng_state(), rank=self.rank, writer=self.writes_run_dir,
+                               barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
                                world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
                                       "global_batch": self.plan.global_batch_size},
@@ -266,7 +271,7 @@ def _agree_or_leave(run_dir: RunDir, dist, rank: int) -> None:
     from .. import faults
     from . import preflight
 
-    problems = preflight.check(dist, rank)
+    problems = preflight.check(dist, rank, run_dir.path)
     if not problems:
         return
     faults.record(run_dir.path, rank, "preflight", problems=problems)
