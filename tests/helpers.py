@@ -43,7 +43,8 @@ def model_file(name: str) -> ModelConfig:
 
 
 def base_env(cache_dir: Path) -> dict:
-    env = dict(os.environ)
+    # A developer's shell inside a Slurm job or on SageMaker would turn zerorun's platform detection on.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SM_", "SAGEMAKER_"))}
     env.update(ZERORUN_CACHE=str(cache_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     return env
@@ -56,6 +57,13 @@ def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra
     cmd = [str(BIN / "zerorun"), *args, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, env=env, cwd=cwd or run_dir.parent, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout, start_new_session=True)
+
+
+def start_on_host(host, args, cwd: Path, cache_dir: Path, env_extra=None) -> subprocess.Popen:
+    """``zerorun ARGS`` on a test host (tests/netns.py), as a user runs it on a node: its own data cache."""
+    env = {**base_env(cache_dir), **host.env(), **(env_extra or {})}
+    return subprocess.Popen(host.argv([str(BIN / "zerorun"), *args]), env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def read_metrics(run_dir: Path):

@@ -54,8 +54,10 @@ def _ip(*args: str) -> None:
 
 
 @contextmanager
-def hosts(count: int = 2) -> Iterator[List[Host]]:
-    """``count`` hosts on a bridge in a namespace of its own (so the machine's own network is untouched)."""
+def hosts(count: int = 2, names: Optional[List[str]] = None) -> Iterator[List[Host]]:
+    """``count`` hosts on a bridge in a namespace of its own (so the machine's own network is untouched).
+    ``names``: host names ("algo-1 node07" for two) every host resolves to the others' addresses, through
+    the /etc/netns/<namespace>/hosts that ``ip netns exec`` puts over /etc/hosts."""
     tag = f"zr{os.getpid() % 10000}"
     net = os.getpid() % 200 + 20
     switch = f"{tag}sw"
@@ -78,7 +80,15 @@ def hosts(count: int = 2) -> Iterator[List[Host]]:
             _ip("-n", name, "link", "set", ifname, "up")
             _ip("-n", name, "link", "set", "lo", "up")
             out.append(Host(name, addr, ifname))
+        if names:
+            table = "127.0.0.1 localhost\n" + "".join(f"{h.addr} {n}\n" for h, n in zip(out, names))
+            for h in out:
+                os.makedirs(f"/etc/netns/{h.name}", exist_ok=True)
+                with open(f"/etc/netns/{h.name}/hosts", "w") as f:
+                    f.write(table)
         yield out
     finally:
+        for name in made:
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         for name in reversed(made):
             subprocess.run(["ip", "netns", "del", name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, faults, launcher, netcheck, supervise
+from . import checkpoint, faults, launcher, netcheck, platforms, supervise
 from .config import (ConfigError, DataError, GateMode, OffloadDevice, ParallelMode, Plan, Rendezvous, RunConfig,
                      UserError, World,
                      check, compose, data_parallel_size, make_plan,
@@ -35,6 +36,7 @@ def say(msg: str) -> None:
 def refuse(error: UserError) -> int:
     """Print every problem (one line each) and return the bad-input exit code; nothing launched."""
     problems = error.problems if isinstance(error, ConfigError) else [error]
+    _state["why"] = _state.get("why") or str(problems[0])
     if len(problems) == 1:
         say(f"error: {problems[0]}")
     else:
@@ -217,6 +219,8 @@ def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
     earlier runs of the same experiment, newest first."""
     if cfg.trainer.resume_from:
         return [Path(cfg.trainer.resume_from)]
+    if cfg.trainer.checkpoint_dir:
+        return [Path(cfg.trainer.checkpoint_dir)]
     siblings = sorted((d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir),
                       key=lambda d: d.name, reverse=True) if run_dir.parent.is_dir() else []
     return [run_dir] + siblings
@@ -317,7 +321,7 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
 # ---------------------------------------------------------------------------------------------
 # Hydra wiring
 
-_state = {"task_started": False, "multirun": False, "outcomes": []}
+_state = {"task_started": False, "multirun": False, "outcomes": [], "why": ""}
 
 
 @hydra.main(version_base=None, config_path="pkg://zerorun.conf", config_name="config")
@@ -340,9 +344,50 @@ def _hydra_app(raw: DictConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The ``zerorun`` command; ``argv`` (without the program name) makes it callable in-process."""
+    """The ``zerorun`` command; ``argv`` (without the program name) makes it callable in-process. On SageMaker
+    and Slurm the platform's contract adds overrides first (zerorun.platforms)."""
     args = list(sys.argv[1:] if argv is None else argv)
     register_schemas()
+    _state["why"] = ""
+    failure = platforms.failure_file(os.environ)
+    try:
+        platform = platforms.detect(os.environ, args)
+    except UserError as e:
+        code = refuse(e)
+        platforms.write_failure(failure, _state["why"])
+        return code
+    if platform:
+        for note in platform.notes:
+            say(note)
+        for k, v in platform.env.items():
+            os.environ.setdefault(k, v)
+        # SageMaker: the user's words are in the platform's overrides already (hyperparameters and argv).
+        args = platform.overrides if platform.name == "sagemaker" else platforms.merged(platform, args)
+    code = _run(args)
+    if code != EXIT_OK:
+        platforms.write_failure(failure, _state["why"] or _recorded_reason() or f"zerorun exited {code} ("
+                                + {faults.EXIT_PREEMPTED: "stopped by a signal; it resumes from its checkpoint",
+                                   faults.EXIT_OOM: "out of memory after the recoveries zerorun could make"}.get(
+                                       code, "training failed; the rank's error is in the job's log") + ")")
+    if platform and platform.requeue and code == faults.EXIT_PREEMPTED and platform.node_rank == 0:
+        import subprocess
+
+        say("preempted: requeueing the job (" + " ".join(platform.requeue) + "); it resumes from the checkpoint")
+        try:
+            subprocess.run(platform.requeue, check=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            say(f"could not requeue: {e}; resubmit with the same run dir and trainer.resume=true")
+    return code
+
+
+def _recorded_reason() -> str:
+    """Why the last run stopped, as its supervisor recorded it (recoveries.json)."""
+    outcomes = _state["outcomes"]
+    events = RunDir(Path(outcomes[-1].run_dir)).read_recoveries() if outcomes else []
+    return f"zerorun exited {outcomes[-1].code}: {events[-1]['reason']}" if events and events[-1].get("reason") else ""
+
+
+def _run(args: List[str]) -> int:
     flags = {a.split("=")[0] for a in args if a.startswith("-")}
     if not flags:
         # A single run: compose it once here, so a composition error (unknown option, wrong type, typo) is

@@ -61,6 +61,13 @@ class RunDir:
     def export(self) -> Path:
         return self.path / EXPORT
 
+    def checkpoints_for(self, cfg) -> Path:
+        """trainer.checkpoint_dir when set (SageMaker's synced /opt/ml/checkpoints), else checkpoints/ here."""
+        return Path(cfg.trainer.checkpoint_dir) if cfg.trainer.checkpoint_dir else self.checkpoints
+
+    def export_for(self, cfg) -> Path:
+        return Path(cfg.trainer.export_dir) if cfg.trainer.export_dir else self.export
+
     @property
     def default_nvme_path(self) -> str:
         return str(self.path / NVME_SWAP)

@@ -173,7 +173,7 @@ def _attempts(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Opt
         if verdict.action == "stop":
             say(f"{verdict.reason}. Run dir: {run_dir.path}")
             return verdict.code
-        point, skipped = checkpoint.resume_point([run_dir.path])
+        point, skipped = checkpoint.resume_point([run_dir.checkpoints_for(launch.cfg)])
         for why in skipped:
             say(f"passing over a damaged checkpoint: {why}")
         # Nothing saved by this run yet: the checkpoint it started from (another run's, or a converted one).

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import netns
-from helpers import BIN, base_env, read_metrics, run_zerorun
+from helpers import read_metrics, run_zerorun, start_on_host
 
 WHY = netns.unavailable()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=f"no test hosts: {WHY}")]
@@ -35,10 +35,8 @@ def one_host_reference(tmp_path_factory, cache_dir):
 
 def start_on(host, node_rank, args, run_dir, cache, env_extra=None):
     """zerorun on one host, as a user runs it there (its own data cache: nothing shared but the run dir)."""
-    env = {**base_env(cache), **host.env(), **(env_extra or {})}
-    cmd = host.argv([str(BIN / "zerorun"), *args, f"launcher.node_rank={node_rank}", f"hydra.run.dir={run_dir}"])
-    return subprocess.Popen(cmd, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start_on_host(host, [*args, f"launcher.node_rank={node_rank}", f"hydra.run.dir={run_dir}"], run_dir.parent,
+                         cache, env_extra)
 
 
 def run_on_both(hosts, args, run_dirs, tmp_path, timeout=600, env_extra=None):

@@ -201,19 +201,20 @@ def _argv_per_node(stdout: str) -> List[List[str]]:
     return [chunk.strip().splitlines()[1:] for chunk in stdout.split("== node ")[1:]]
 
 
-def test_slurm_sbatch_runs_one_zerorun_per_node(stub_bin, tmp_path):
+def test_slurm_sbatch_is_srun_zerorun_one_task_per_node(stub_bin, tmp_path):
+    """The allocation's facts are zerorun's to read (zerorun.platforms, tested on two hosts in
+    tests/e2e/test_platforms.py); the script only starts one zerorun per node with the user's overrides."""
+    _stub(stub_bin / "srun", 'echo "== node srun"; printf "%s\\n" "$@"\n')
     env = dict(os.environ, PATH=f"{stub_bin}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-node-[07-08]",
                SLURM_NNODES="2", SLURM_JOB_NAME="zerorun", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="8",
                RUN_ROOT=str(tmp_path / "runs"), ZERORUN="fakezr")
     r = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "+model=gpt2", "zero=stage2"], env=env,
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    preflight, *nodes = _argv_per_node(r.stdout)
-    run_dir = f"hydra.run.dir={tmp_path / 'runs'}/zerorun-4242"
-    common = ["+model=gpt2", "zero=stage2", "launcher=torchrun", "launcher.nnodes=2",
-              "launcher.master_addr=gpu-node-07", "launcher.master_port=29500", run_dir]
-    assert preflight == common + ["launcher.node_rank=0", "dry_run=true"]
-    assert nodes == [common + ["launcher.node_rank=0"], common + ["launcher.node_rank=1"]]
+    assert _argv_per_node(r.stdout) == [["--ntasks-per-node=1", "--cpus-per-task=8", "--kill-on-bad-exit=1",
+                                         "fakezr", "+model=gpt2", "zero=stage2"]]
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR2@120" in text and "#SBATCH --requeue" in text
 
 
 def test_torchrun_per_node_script_builds_the_node_command(stub_bin, tmp_path):

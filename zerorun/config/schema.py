@@ -230,6 +230,9 @@ class TrainerConfig:
     """Checkpoint every N optimizer steps (0: only at the end)."""
     keep_last: int = 2
     """Keep this many complete checkpoints; older ones are deleted."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go. Empty: <run dir>/checkpoints. On SageMaker: /opt/ml/checkpoints (synced to S3,
+    copied back when a job restarts), so a restarted job resumes from it."""
     resume: bool = False
     """Resume from the newest complete checkpoint of this experiment (see resume_from)."""
     resume_from: str = ""
@@ -242,7 +245,9 @@ class TrainerConfig:
     progress: bool = True
     """Progress bar on rank 0."""
     export: bool = True
-    """Save the final model (and tokenizer) in Hugging Face format under <run dir>/export."""
+    """Save the final model (and tokenizer) in Hugging Face format under export_dir (global rank 0)."""
+    export_dir: str = ""
+    """Where the export goes. Empty: <run dir>/export. On SageMaker: SM_MODEL_DIR (/opt/ml/model)."""
     oom_retries: int = 3
     """A rank out of memory at runtime: relaunch from the last complete checkpoint this many times, each
     with the micro-batch halved and accumulation doubled (same global batch, same data order), at

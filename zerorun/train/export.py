@@ -11,7 +11,7 @@ def export(trainer: Trainer) -> Optional[str]:
     import torch
     from transformers import AutoTokenizer
 
-    out = trainer.run_dir.export
+    out = trainer.run_dir.export_for(trainer.cfg)
     state_dict = trainer.strategy.state_dict(trainer.hf_model)  # collective; rank 0 gets it
     source = trainer.val_data if len(trainer.val_data) else trainer.train_data
     probe = {k: v for k, v in trainer.batch(source, [0, min(1, len(source) - 1)]).items() if k != "labels"}

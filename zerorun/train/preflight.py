@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 ENV = "ZERORUN_PREFLIGHT"
+NODE_OWN = ("node_rank:", "path:", "val_path:", "checkpoint_dir:", "export_dir:", "nvme_path:", "resume_from:")
 COMPARED = ("versions", "config", "data", "nproc_per_node", "devices", "resume")
 NODES_DIR = "nodes"
 """In the run dir: one file per running zerorun (named by its id); which ones a node sees tells whether the
@@ -45,8 +46,8 @@ def launcher_facts(config_yaml: str, node_rank: int, data_files: List[str], npro
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "-"
-    # The node's own rank is the one line that must differ.
-    shared = "\n".join(line for line in config_yaml.splitlines() if not line.strip().startswith("node_rank:"))
+    # What may differ: the node's own rank, and paths on its own disk (their contents are compared: data hash).
+    shared = "\n".join(line for line in config_yaml.splitlines() if not line.strip().startswith(NODE_OWN))
     data = hashlib.sha256("".join(_file_digest(p) for p in data_files if Path(p).is_file()).encode()).hexdigest()[:16]
     return {"node_rank": node_rank, "host": socket.gethostname(), "versions": versions,
             "config": hashlib.sha256(shared.encode()).hexdigest()[:16], "data": data,

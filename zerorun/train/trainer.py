@@ -201,7 +201,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
         client_state = {"step": step, "consumed": self.sampler.consumed}
-        return checkpoint.save(self.engine, self.run_dir.checkpoints, step, client_state,
+        return checkpoint.save(self.engine, self.run_dir.checkpoints_for(self.cfg), step, client_state,
                                rng_state=rng_state(), rank=self.rank, writer=self.writes_run_dir,
                                barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
