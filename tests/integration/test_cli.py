@@ -98,3 +98,23 @@ def test_estimate_composes_and_checks_like_zerorun(capsys):
     assert estimate_cli.main(["+model=gpt2-xl", "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=40"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-3  offload nvme (+params)" in out and "gpt2-xl" in out
+
+
+@pytest.mark.parametrize("hps, words", [
+    ({"trainer.lrr": "0.1"}, "unknown key trainer.lrr (did you mean trainer.lr?)"),
+    ({"zero": '"stage5'}, "hyperparameter zero = '\"stage5' is not valid JSON"),
+    ({"zero": '"stage5"'}, "Could not find 'zero/stage5'"),
+])
+def test_bad_sagemaker_hyperparameters_exit_2_with_the_failure_file(tmp_path, cache_dir, monkeypatch, capsys,
+                                                                     hps, words):
+    base = tmp_path / "ml"
+    (base / "input" / "config").mkdir(parents=True)
+    (base / "input" / "config" / "resourceconfig.json").write_text('{"current_host": "algo-1", "hosts": ["algo-1"]}')
+    (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps(hps))
+    monkeypatch.setenv("SAGEMAKER_BASE_DIR", str(base))
+    monkeypatch.setenv("ZERORUN_CACHE", str(cache_dir))
+    code = cli.main(["train"])
+    out = capsys.readouterr()
+    assert code == 2 and words in out.err and "nothing was launched" in out.err, out.err
+    assert words in (base / "output" / "failure").read_text()
+    assert not (base / "output" / "data").exists()
