@@ -18,7 +18,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, faults, launcher, netcheck, platforms, supervise
-from .config import (ConfigError, DataError, GateMode, OffloadDevice, ParallelMode, Plan, Rendezvous, RunConfig,
+from .config import (ConfigError, DataError, GateMode, OffloadDevice, OptimizerImpl, ParallelMode, Plan, Rendezvous,
+                     RunConfig,
                      UserError, World,
                      check, compose, data_parallel_size, make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
@@ -264,6 +265,12 @@ def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: 
     now = data_parallel_size(cfg, world)
     if not then or then == now:
         return resume
+    if saved.get("world", {}).get("optimizer") == OptimizerImpl.bnb_adamw8bit.value and saved.get("zero_stage", 0):
+        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks with 8-bit optimizer "
+                        f"states and this run has {now}: DeepSpeed's universal checkpoint slices every state tensor "
+                        "as if it were shaped like the parameters, and the 8-bit states' block scales are not.",
+                        f"resume on {then} data-parallel ranks (launcher.nproc_per_node × launcher.nnodes, as saved).",
+                        key="optimizer.name", value="adamw8bit")
     if cfg.launcher.nnodes > 1 and not cfg.launcher.shared_run_dir:
         raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
                         "converting it needs every node's shards in one place, and each node holds only its own.",

@@ -83,6 +83,12 @@ def render(cfg: RunConfig, plan: Plan) -> Dict[str, Any]:
         "fp16": {"enabled": prec.dtype == Dtype.fp16},
         "bf16": {"enabled": prec.dtype == Dtype.bf16},
     }
+    if plan.optimizer.client:
+        # zerorun builds it (zerorun.train.optimizers) and hands it to deepspeed.initialize.
+        del ds["optimizer"]
+        ds["zero_allow_untested_optimizer"] = True
+        if plan.offload_optimizer:  # it steps on the host's fp32 partitions itself (it has a CPU implementation)
+            ds["zero_force_ds_cpu_optimizer"] = False
     if prec.dtype == Dtype.fp16:
         ds["fp16"].update(
             loss_scale=prec.loss_scale,

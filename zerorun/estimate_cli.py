@@ -42,17 +42,18 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
         "",
         f"  {'ZeRO / offload':32s} {'per-' + unit + ' peak':>14s}  {'peak phase':14s} {'fits ' + unit:>9s}  "
-        f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}",
+        f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}  {'adamw8bit peak':>14s}",
     ]
     host_known = hw.host_mem_bytes > 0
-    for label, e in rows:
+    for label, e, e8 in rows:
         mark = "*" if label == chosen_label else " "
         nvme = _gib(e.nvme_bytes) if e.nvme_bytes else "-"
         fits_host = ("yes" if e.fits_host else "NO") if host_known else "?"
+        eight = (_gib(e8.per_rank_peak_bytes) + ("" if e8.fits else " NO")) if e8 else "-"
         lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s}  {e.peak_phase:14s} "
                      f"{'yes' if e.fits_device else 'NO':>9s}  {_gib(e.host_bytes_per_node):>13s} {fits_host:>9s}  "
-                     f"{nvme:>10s}")
-    chosen = next((e for label, e in rows if label == chosen_label), None)
+                     f"{nvme:>10s}  {eight:>14s}")
+    chosen = next((e for label, e, _ in rows if label == chosen_label), None)
     if chosen is not None and chosen.stages:
         lines.append(f"pipeline stages of the composed config ({len(chosen.stages)}; the peak above is the worst):")
         for st in chosen.stages:
@@ -71,11 +72,24 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      f"everything in host RAM; the peak is their resident set: {_gib(cal.cpu_process_bytes)} process "
                      f"+ tensors + heap retention + {_gib(cal.cpu_overhead_bytes)} overhead (docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
-                 "offloaded state, + the rank processes. * = the composed config.")
+                 "offloaded state, + the rank processes. * = the composed config. adamw8bit peak: the same row with "
+                 "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload).")
     if cfg.hardware.host_mem_gib is None and cfg.hardware.gpus_per_node:
         lines.append(f"host RAM {_gib(hw.host_mem_bytes)} per node is this machine's; declare hardware.host_mem_gib "
                      "to plan for another.")
     return lines
+
+
+def _eight_bit(M, cfg, world, hw):
+    """The estimate of ``cfg`` with adamw8bit, where DeepSpeed can run it (None: NVMe offload, pipelines)."""
+    import dataclasses
+
+    from .config import OffloadDevice, OptimizerName, ParallelMode, make_plan
+
+    if OffloadDevice(cfg.offload.device) == OffloadDevice.nvme or cfg.parallel.mode == ParallelMode.pipeline:
+        return None
+    c8 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, name=OptimizerName.adamw8bit))
+    return M.estimate(c8, make_plan(c8, world), hw)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -108,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     plan = make_plan(cfg, world)
     table = M.table_configs(cfg)
-    rows = [(label, M.estimate(c, make_plan(c, world), hw)) for label, c in table]
+    rows = [(label, M.estimate(c, make_plan(c, world), hw), _eight_bit(M, c, world, hw)) for label, c in table]
     chosen = next((label for label, c in table if (c.zero.stage, c.offload.device, make_plan(c, world).offload_params)
                    == (cfg.zero.stage, cfg.offload.device, plan.offload_params)), None)
     decision = M.gate(cfg, plan, hw, GateMode.strict)

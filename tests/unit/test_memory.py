@@ -443,7 +443,7 @@ def test_estimate_table_for_a_pipeline_lists_its_stages():
     table = M.table_configs(cfg)
     assert [label for label, _ in table] == ["ZeRO-0  offload none", "ZeRO-1  offload none"]
     assert all(not check(c, world, libaio=True) for _, c in table)
-    rows = [(label, estimate(c, world, hw)) for label, c in table]
+    rows = [(label, estimate(c, world, hw), None) for label, c in table]
     text = "\n".join(render_table(cfg, make_plan(cfg, world), hw, rows, "ZeRO-0  offload none"))
     assert "pipeline stages of the composed config (2; the peak above is the worst):" in text
     for st in rows[0][1].stages:

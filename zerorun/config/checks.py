@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from .errors import UserError
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import offload_problems, pipeline_problems, resolve_task, task_problems
+from .rules import offload_problems, optimizer_problems, pipeline_problems, resolve_task, task_problems
 from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
@@ -30,6 +30,12 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
         problems.append(P(f"zero.stage={z.stage}: ZeRO has stages 0-3.", "zero=stage0|stage1|stage2|stage3.",
                           key="zero.stage", value=z.stage))
     problems += offload_problems(z.stage, off.device, off.params)
+    problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
+    if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
+        problems.append(UserError(f"deepspeed.optimizer with optimizer={cfg.optimizer.name.value}: zerorun builds "
+                                  "that optimizer itself, and DeepSpeed refuses both.",
+                                  "drop deepspeed.optimizer (lr, betas, weight decay are trainer.* keys).",
+                                  key="deepspeed.optimizer"))
     if off.device == OffloadDevice.nvme:
         if not (hardware.libaio_available() if libaio is None else libaio):
             problems.append(P("offload=nvme: libaio is not installed, DeepSpeed's async I/O op cannot build.",

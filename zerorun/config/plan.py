@@ -146,6 +146,6 @@ def make_plan(cfg: RunConfig, world: World) -> Plan:
         buckets=bucket_sizes(cfg),
         offload_optimizer=offload_optimizer,
         offload_params=params_offloaded(cfg.zero.stage, off, cfg.offload.params),
-        optimizer=optimizer_impl(world.accelerator, offload_optimizer),
+        optimizer=optimizer_impl(world.accelerator, offload_optimizer, cfg.optimizer.name),
         nvme_path=cfg.offload.nvme_path if off == OffloadDevice.nvme else "",
     )

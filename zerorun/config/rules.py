@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .errors import UserError
-from .schema import Family, OffloadDevice, ParallelMode, TaskName
+from .schema import Family, OffloadDevice, OptimizerName, ParallelMode, TaskName
 
 # ---------------------------------------------------------------------------------------------
 # Where model states live: ZeRO stage × offload device × parameter offload
@@ -129,12 +129,48 @@ class OptimizerImpl(str, enum.Enum):
     fused_adam = "fused_adam"  # DeepSpeed's FusedAdam: GPU ranks, states on the GPU
     cpu_adam = "cpu_adam"  # DeepSpeedCPUAdam: optimizer offload, steps on the host
     torch_adamw = "torch_adamw"  # torch.optim.AdamW: CPU ranks (FusedAdam's CPU build is a JIT compile)
+    bnb_adamw8bit = "bnb_adamw8bit"  # bitsandbytes AdamW8bit, a client optimizer (zerorun builds it)
+    torch_sgd = "torch_sgd"  # torch.optim.SGD, a client optimizer
+
+    @property
+    def client(self) -> bool:
+        """zerorun builds it and hands it to deepspeed.initialize (no ds_config optimizer section)."""
+        return self in (OptimizerImpl.bnb_adamw8bit, OptimizerImpl.torch_sgd)
 
 
-def optimizer_impl(accelerator: str, offload_optimizer: bool) -> OptimizerImpl:
+def optimizer_impl(accelerator: str, offload_optimizer: bool, name: OptimizerName = OptimizerName.adamw
+                   ) -> OptimizerImpl:
+    name = OptimizerName(name)
+    if name == OptimizerName.adamw8bit:
+        return OptimizerImpl.bnb_adamw8bit
+    if name == OptimizerName.sgd:
+        return OptimizerImpl.torch_sgd
     if offload_optimizer:
         return OptimizerImpl.cpu_adam
     return OptimizerImpl.torch_adamw if accelerator == "cpu" else OptimizerImpl.fused_adam
+
+
+def optimizer_problems(name: OptimizerName, device: OffloadDevice, pipeline: bool) -> List[UserError]:
+    """What each optimizer cannot do under DeepSpeed."""
+    name, device = OptimizerName(name), OffloadDevice(device)
+    out = []
+    if name != OptimizerName.adamw and device == OffloadDevice.nvme:
+        out.append(UserError(
+            f"optimizer={name.value} with offload=nvme: DeepSpeed's NVMe optimizer swap moves its own Adam's fp32 "
+            "states only.", f"offload=cpu (optimizer.{name.value} steps on the host), or optimizer=adamw.",
+            key="optimizer.name", value=name.value))
+    if name != OptimizerName.adamw and pipeline:
+        out.append(UserError(
+            f"optimizer={name.value} with parallel=pipeline: zerorun hands client optimizers to data-parallel "
+            "engines only.", "parallel=dp, or optimizer=adamw.", key="optimizer.name", value=name.value))
+    if name == OptimizerName.adamw8bit:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            out.append(UserError("optimizer=adamw8bit needs bitsandbytes, which is not installed.",
+                                 "pip install 'zerorun[8bit]' (bitsandbytes==0.50.2), or optimizer=adamw.",
+                                 key="optimizer.name", value=name.value))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,12 @@ class DataFormat(str, enum.Enum):
     csv = "csv"
 
 
+class OptimizerName(str, enum.Enum):
+    adamw = "adamw"          # AdamW: fp32 momentum + variance, 8 bytes per parameter
+    adamw8bit = "adamw8bit"  # bitsandbytes AdamW8bit: blockwise 8-bit states, ~2 bytes per parameter
+    sgd = "sgd"              # SGD with momentum: one fp32 buffer, 4 bytes per parameter (0 without momentum)
+
+
 class GateMode(str, enum.Enum):
     strict = "strict"
     warn = "warn"
@@ -209,6 +215,21 @@ class LauncherConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    name: OptimizerName = OptimizerName.adamw
+    """adamw (DeepSpeed's fused/CPU Adam or torch's), adamw8bit (bitsandbytes, 8-bit states: numerics differ
+    from adamw), sgd. lr, betas and weight decay are trainer.lr, trainer.adam_betas, trainer.weight_decay."""
+    momentum: float = 0.9
+    """sgd: momentum (0: no momentum buffer)."""
+    min_8bit_size: int = 4096
+    """adamw8bit: tensors with fewer elements keep fp32 states (bitsandbytes' default). Under ZeRO the
+    optimizer sees one flat partition per rank, so every parameter gets 8-bit states."""
+    autofit_8bit: bool = False
+    """gate=autofit may switch adamw to adamw8bit when nothing without offload fits. Off by default: 8-bit
+    states change the numerics (slightly), not just the memory."""
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
@@ -316,6 +337,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     name: str = "${model.name}"

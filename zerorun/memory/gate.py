@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from ..config import (Dtype, GateMode, OffloadDevice, ParallelMode, Plan, RunConfig, UserError, World, bucket_sizes,
-                      data_parallel_size, layouts, make_plan, params_offloaded)
+from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
+                      bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded)
 from ..hardware import Hardware
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
 
@@ -55,8 +55,8 @@ class GateDecision:
 def _override(key: str, value: Any) -> str:
     if key == "zero.stage":
         return f"zero=stage{value}"
-    if key == "offload.device":
-        return f"offload={value.value if isinstance(value, OffloadDevice) else value}"
+    if key in ("offload.device", "optimizer.name"):
+        return f"{key.split('.')[0]}={getattr(value, 'value', value)}"
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
     if value is None:
@@ -72,6 +72,8 @@ class _Knobs:
     stage: int
     offload: OffloadDevice
     params: Optional[bool]
+    opt8: bool = False
+    """Switch adamw to adamw8bit (only with optimizer.autofit_8bit)."""
 
 
 def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple[RunConfig, List[Change]]:
@@ -116,13 +118,19 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                else "offload the optimizer only; parameters stay on the GPU")
         changes.append(Change("offload.params", off.params, k.params, why))
         new_off = dataclasses.replace(new_off, params=k.params)
+    new_opt = cfg.optimizer
+    if k.opt8 and cfg.optimizer.name == OptimizerName.adamw:
+        changes.append(Change("optimizer.name", OptimizerName.adamw, OptimizerName.adamw8bit,
+                              "8-bit optimizer states: ~2 instead of 8 bytes per parameter (allowed by "
+                              "optimizer.autofit_8bit; the numerics change slightly)"))
+        new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
     new_par = cfg.parallel
     if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
         accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
         changes.append(Change("parallel.micro_batches", cfg.parallel.micro_batches, accum,
                               "the pipeline streams that many smaller micro-batches per step"))
         new_par = dataclasses.replace(new_par, micro_batches=accum)
-    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par)
+    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par, optimizer=new_opt)
     return new, changes
 
 
@@ -145,6 +153,8 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
                                   stage3_prefetch_bucket_size=None, overlap_comm=False)
     shrinkable = bucket_sizes(dataclasses.replace(cfg, zero=default)) != bucket_sizes(cfg) or z.overlap_comm
     user_device = OffloadDevice(off.device)
+    may_8bit = cfg.optimizer.autofit_8bit and cfg.optimizer.name == OptimizerName.adamw \
+        and cfg.parallel.mode == ParallelMode.dp
     out = []
     for layout in layouts(cfg.parallel.mode):
         if layout.stage < z.stage:
@@ -156,18 +166,19 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
         # Keep the user's offload.params setting unless this layout resolves it differently.
         same = params_offloaded(layout.stage, layout.device, off.params) == layout.params
         params = off.params if same else layout.params
-        for small in ([False, True] if shrinkable else [False]):
-            for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
-                for micro in micros:
-                    out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params))
+        for opt8 in ([False, True] if may_8bit and layout.device != OffloadDevice.nvme else [False]):
+            for small in ([False, True] if shrinkable else [False]):
+                for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
+                    for micro in micros:
+                        out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8))
     return sorted(out, key=_speed_rank)
 
 
 def _speed_rank(k: _Knobs) -> Tuple:
-    """Autofit's order, fastest first: parameter offload, then optimizer offload, stage, small buckets,
-    checkpointing, and a smaller micro-batch each cost more than everything after them."""
+    """Autofit's order, fastest first: parameter offload, then optimizer offload, 8-bit optimizer states, stage,
+    small buckets, checkpointing, and a smaller micro-batch each cost more than everything after them."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
-    return (tier == 2, tier >= 1, k.stage, k.small_buckets, k.ckpt, -k.micro)
+    return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, -k.micro)
 
 
 def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
@@ -207,6 +218,15 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
             if changes:
                 return new, changes
     return None
+
+
+def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Optional[List[str]]:
+    """The overrides of the fastest fit once adamw8bit is allowed, when the user did not allow it."""
+    if cfg.optimizer.autofit_8bit or cfg.optimizer.name != OptimizerName.adamw:
+        return None
+    found = autofit(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True)),
+                    plan, hw, cal=cal)
+    return [c.override() for c in found[2]] if found else None
 
 
 def _describe(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
@@ -264,6 +284,10 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
             fix = (f"no micro-batch, checkpointing, bucket, ZeRO stage or offload setting fits on {plan.world.size} "
                    "rank(s): add GPUs/nodes (launcher.nnodes, launcher.nproc_per_node), use larger GPUs, or a "
                    "shorter data.seq_len.")
+            with_8bit = _with_8bit(cfg, plan, hw, cal)
+            if with_8bit:
+                fix += (f" With 8-bit optimizer states it fits: {' '.join(with_8bit)} (the numerics change "
+                        "slightly; optimizer.autofit_8bit=true lets gate=autofit choose it).")
         msg = f"{shortfall} Fix: {fix}"
         return GateDecision(mode == GateMode.warn, mode, cfg, est, est, message=msg,
                             warning=msg if mode == GateMode.warn else None)
@@ -276,6 +300,9 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
         return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides)
     msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}): {' '.join(overrides)} — "
            "add these overrides, or gate=autofit to apply them, or gate=warn to launch anyway.")
+    alt = _with_8bit(cfg, plan, hw, cal)
+    if alt and "optimizer=adamw8bit" in alt and alt != overrides:
+        msg += f" Or with 8-bit optimizer states (the numerics change slightly): {' '.join(alt)}."
     if mode == GateMode.warn:
         return GateDecision(True, mode, cfg, est, est, message=msg, warning=msg, suggestion=overrides)
     return GateDecision(False, mode, cfg, est, est, message=msg, suggestion=overrides)

@@ -23,6 +23,16 @@ fp32 training (stage_1_and_2.py: ``weights_partition = ....clone().to(master dty
 ADAM_STATE_BYTES = 8
 """Adam momentum + variance in fp32 per parameter (§2.1: the 8Ψ of K=12)."""
 
+BNB_BLOCK = 256
+"""bitsandbytes' 8-bit optimizers quantize states in blocks of 256 with one fp32 absmax per block per state
+(functional.py, backends/cpu/ops.py ``blocksize = 256``): 2 + 2 × 4/256 bytes per parameter for AdamW8bit."""
+
+BNB_CPU_STEP_BYTES = 20
+"""bitsandbytes' CPU step (backends/cpu/ops.py ``_optimizer_update_8bit_blockwise_cpu``) dequantizes both
+states to fp32, makes an fp32 grad and the denominator, then quantizes back: 20 bytes per element of the
+tensor it updates (measured, peak RSS over the second step of an 8M-element tensor, fp32 and bf16 grads).
+The CUDA kernel updates in place: none."""
+
 DS_SUB_GROUP_SIZE = 1_000_000_000
 """ZeRO-3 ``sub_group_size`` default (deepspeed/runtime/zero/config.py); zerorun does not set it."""
 
@@ -63,6 +73,40 @@ class ModelStates:
         return sum(v for k, v in self.device.items() if k in STATE_NAMES)
 
 
+def optimizer_state_bytes(cfg: RunConfig, plan: Plan, elements: int, small: int = 0) -> int:
+    """The optimizer's states for ``elements`` parameters, ``small`` of them in tensors below AdamW8bit's
+    ``min_8bit_size`` (fp32 states). Under ZeRO the optimizer sees one flat partition: ``small`` = 0 and the
+    partition itself is the tensor."""
+    if plan.optimizer == OptimizerImpl.bnb_adamw8bit:
+        if elements < cfg.optimizer.min_8bit_size:
+            return elements * ADAM_STATE_BYTES
+        big = elements - small
+        return small * ADAM_STATE_BYTES + 2 * big + 2 * 4 * math.ceil(big / BNB_BLOCK) + 2 * 256 * 4  # + qmaps
+    if plan.optimizer == OptimizerImpl.torch_sgd:
+        return elements * 4 if cfg.optimizer.momentum else 0
+    return elements * ADAM_STATE_BYTES
+
+
+def optimizer_step_bytes(plan: Plan, tensor: int) -> int:
+    """Temporaries of the optimizer's own step over its largest tensor (a flat partition under ZeRO), where
+    it steps on the rank's device."""
+    if plan.optimizer == OptimizerImpl.torch_adamw:
+        return 2 * 4 * tensor  # for-loop AdamW: ``exp_avg_sq.sqrt() / bc2`` then ``.add_``
+    if plan.optimizer == OptimizerImpl.bnb_adamw8bit and plan.world.accelerator == "cpu":
+        return BNB_CPU_STEP_BYTES * tensor
+    if plan.optimizer == OptimizerImpl.torch_sgd and plan.world.accelerator == "cpu":
+        return 4 * tensor  # ``grad.add(param, alpha=weight_decay)``
+    return 0
+
+
+def host_step_bytes(plan: Plan, tensor: int) -> int:
+    """With optimizer offload, a client optimizer steps on the host's fp32 partition (DeepSpeedCPUAdam:
+    in place)."""
+    if plan.optimizer == OptimizerImpl.bnb_adamw8bit:
+        return BNB_CPU_STEP_BYTES * tensor
+    return 4 * tensor if plan.optimizer == OptimizerImpl.torch_sgd else 0
+
+
 def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
     """Where the model states of ``bd`` live for the config's ZeRO stage, precision and offload."""
     dtype = Dtype(cfg.precision.dtype)
@@ -87,7 +131,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
         dev.append(("persistent parameters", persistent * p))
     dev.append(("buffers", bd.buffer_bytes))
 
-    states = [("fp32 master copies", part * MASTER_BYTES), ("optimizer states", part * ADAM_STATE_BYTES)]
+    states = [("fp32 master copies", part * MASTER_BYTES), ("optimizer states", optimizer_state_bytes(cfg, plan, part))]
     if stage == 0 and dtype == Dtype.bf16 and plan.pipeline:
         # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
         # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
@@ -98,7 +142,9 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
         dev.append(("gradients", P * g))
         if mixed:  # FP16_Optimizer / FP16_UnfusedOptimizer: fp32 master of every parameter
             dev.append(("fp32 master copies", P * MASTER_BYTES))
-        dev.append(("optimizer states", P * ADAM_STATE_BYTES))
+        # The optimizer sees each tensor: AdamW8bit keeps fp32 states for the small ones.
+        small = bd.persistent(cfg.optimizer.min_8bit_size - 1) if plan.optimizer.client else 0
+        dev.append(("optimizer states", optimizer_state_bytes(cfg, plan, P, small)))
     elif stage in (1, 2):
         if stage == 1:
             # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition
@@ -156,18 +202,19 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     dtype = Dtype(cfg.precision.dtype)
     g = DTYPE_BYTES[dtype]
     P, stage = bd.total, cfg.zero.stage
-    torch_adam = plan.optimizer == OptimizerImpl.torch_adamw
+    unfused = plan.optimizer in (OptimizerImpl.torch_adamw, OptimizerImpl.bnb_adamw8bit, OptimizerImpl.torch_sgd) \
+        and plan.world.accelerator == "cpu"
     overflow = 4 * min(bd.largest_tensor, part if stage >= 2 else bd.largest_tensor) if dtype == Dtype.fp16 else 0
     if stage == 0:
         if dtype == Dtype.fp32:
-            return 2 * 4 * bd.largest_tensor if torch_adam else 0
-        if torch_adam:
-            return 4 * P + 2 * 4 * bd.largest_tensor
+            return optimizer_step_bytes(plan, bd.largest_tensor)
+        if unfused:
+            return 4 * P + optimizer_step_bytes(plan, bd.largest_tensor)
         return max(8 * P, overflow)
-    if plan.offload_optimizer:
-        return overflow
     sub = part if stage < 3 else min(part, DS_SUB_GROUP_SIZE)
-    adam = 2 * 4 * sub if torch_adam else 0
+    if plan.offload_optimizer:  # the step runs on the host: part of this "device" only on CPU ranks
+        return overflow + (host_step_bytes(plan, sub) if plan.world.accelerator == "cpu" else 0)
+    adam = optimizer_step_bytes(plan, sub)
     convert = sub * g + (sub * 4 if g != 4 else 0)
     # ZeRO-1/2 free the 16-bit grad partition once its fp32 copy exists (in fp32 the partition is the fp32
     # grad itself); ZeRO-3's flat gradient buffer stays (measured on CPU).

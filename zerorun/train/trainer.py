@@ -19,7 +19,7 @@ from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
 from ..telemetry import RssMilestones
-from . import interrupts
+from . import interrupts, optimizers
 from .strategy import strategy_for
 
 
@@ -73,8 +73,10 @@ class Trainer:
         # head of a pretrained encoder) unset: losses of 1e26 at step 1 under ZeRO-3 with param offload.
         self.hf_model = build_model(cfg.model, self.task, cfg.task.num_labels)
         module = self.strategy.module(self.hf_model)
+        trainable = [p for p in module.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = self.deepspeed.initialize(
-            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=self.ds_config)
+            model=module, model_parameters=trainable, optimizer=optimizers.build(cfg, self.plan, trainable),
+            config=self.ds_config)
         if self.scheduler is not None and getattr(self.scheduler, "last_batch_iteration", 0) < 0:
             self.scheduler.step()  # DeepSpeed's schedulers start "before step 0" at lr 0; step 1 uses iteration 0
         self.device = self.engine.device
@@ -206,7 +208,8 @@ class Trainer:
                                barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
                                world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
-                                      "global_batch": self.plan.global_batch_size},
+                                      "global_batch": self.plan.global_batch_size,
+                                      "optimizer": self.plan.optimizer.value},
                                kill_point=interrupts.save_kill_point(self.rank, step))
 
     def resume(self, ckpt_root, tag: str) -> None:
