@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from .config import RunConfig, make_plan, plan_world
+from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 from .memory import DEFAULT_CALIBRATION, Calibration, correction_key, estimate
 from .rundir import RunDir, write_atomic
@@ -141,7 +142,7 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=world.nproc_per_node,
                              accelerator=hw.accelerator, master_port=launcher.free_port(),
                              threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node),
-                             bin_dir=launcher.default_bin_dir())
+                             mmap_threshold=mmap_threshold_bytes(pcfg.launcher.mmap_threshold_mib), bin_dir=launcher.default_bin_dir())
     argv, env = launcher.build_command(lp)
     log(f"calibrating on this machine ({hw.device_name or hw.accelerator}): {PROBE_STEPS} steps of "
         f"{cfg.model.name} on {world.nproc_per_node} rank(s) ...")

@@ -24,6 +24,7 @@ from .config import (ConfigError, DataError, GateMode, OffloadDevice, OptimizerI
                      check, compose, data_parallel_size, make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
                      unknown_override_keys)
+from .config.rules import mmap_threshold_bytes
 from .hardware import GIB, Hardware, detect, resolve_hardware
 from .rundir import RunDir
 
@@ -89,13 +90,20 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     CUDA ranks because a GPU size was declared. Corrections measured on this machine apply when the plan
     is for this machine (``gate=calibrate`` measures one first)."""
     from . import calibration
-    from .memory import gate
+    from .memory import gate, resolve_mmap_threshold
 
     plan_hw = resolve_hardware(cfg.hardware, hw)
     here = plan_hw.device_name == hw.device_name and plan_hw.accelerator == hw.accelerator
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
+    if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only with room to spare
+        cfg = resolve_mmap_threshold(cfg, make_plan(cfg, plan_world(cfg, plan_hw)), plan_hw, cal)
+        if world.accelerator == "cpu":
+            say(f"CPU ranks: mmap threshold {cfg.launcher.mmap_threshold_mib} MiB ("
+                + ("fast: the run fits with room to spare" if cfg.launcher.mmap_threshold_mib > 1 else
+                   "memory-saving: freed activations go back to the OS; launcher.mmap_threshold_mib=32 is faster")
+                + ")")
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
@@ -294,7 +302,7 @@ def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: 
         "DeepSpeed's universal checkpoint format (deepspeed.checkpoint.ds_to_universal, once) ...")
     try:
         out = checkpoint.to_universal(root, tag, run_dir.path / checkpoint.UNIVERSAL,
-                                      launcher.rank_env(world.accelerator, 1))
+                                      launcher.rank_env(world.accelerator, 1, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)))
     except RuntimeError as e:
         raise UserError(str(e), f"convert it yourself: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
                         f"{root / tag} --output_folder {run_dir.path / checkpoint.UNIVERSAL / tag} "
@@ -318,7 +326,8 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         launcher=la.name.value, run_dir=str(run_dir.path.resolve()), nproc_per_node=world.nproc_per_node,
         accelerator=world.accelerator, nnodes=la.nnodes, node_rank=la.node_rank, master_addr=la.master_addr,
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
-        threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), bin_dir=launcher.default_bin_dir(),
+        threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), mmap_threshold=mmap_threshold_bytes(la.mmap_threshold_mib),
+        bin_dir=launcher.default_bin_dir(),
         stop_timeout_s=la.stop_timeout_s, rdzv=la.rdzv.value, rdzv_id=la.rdzv_id or cfg.name,
         min_nnodes=la.min_nnodes or 0,
         rdzv_host=la.rdzv == Rendezvous.c10d and la.nnodes > 1 and netcheck.is_local(la.master_addr),

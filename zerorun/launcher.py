@@ -27,6 +27,7 @@ class LaunchPlan:
     master_port: int = 29500
     hostfile: str = ""
     threads_per_rank: int = 1
+    mmap_threshold: int = CPU_MMAP_THRESHOLD
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
     stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
     rdzv: str = "static"  # torchrun: "static" | "c10d"
@@ -49,7 +50,7 @@ def _exe(plan: LaunchPlan, name: str) -> str:
     return name
 
 
-def rank_env(accelerator: str, threads_per_rank: int) -> Dict[str, str]:
+def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD) -> Dict[str, str]:
     """The environment every rank process starts with (also the calibration probes', so they measure the same)."""
     env = {
         "OMP_NUM_THREADS": str(threads_per_rank),
@@ -59,7 +60,7 @@ def rank_env(accelerator: str, threads_per_rank: int) -> Dict[str, str]:
     }
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-        env["MALLOC_MMAP_THRESHOLD_"] = str(CPU_MMAP_THRESHOLD)  # a fixed value also stops its dynamic growth
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # a fixed value also stops its dynamic growth
     return env
 
 
@@ -78,7 +79,7 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     Ranks get only the run dir: no Hydra argv, and ``--no_local_rank`` so DeepSpeed does not
     append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
     """
-    env = rank_env(plan.accelerator, plan.threads_per_rank)
+    env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
         if plan.hostfile:  # one launch for all nodes, over pdsh/ssh

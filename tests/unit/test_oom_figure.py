@@ -16,16 +16,22 @@ def est(cfg, world=CPU2, hw=CPU_HOST, cal=M.DEFAULT_CALIBRATION):
 
 
 def test_cpu_ranks_count_process_heap_and_overhead_as_named_terms():
-    e = est(composed("+model=gpt2", "precision=bf16", "data.seq_len=256", "trainer.micro_batch_size=2"))
+    low = "launcher.mmap_threshold_mib=1"
+    e = est(composed("+model=gpt2", "precision=bf16", "data.seq_len=256", "trainer.micro_batch_size=2", low))
     comps = e.components
     assert comps["process runtime"] == M.DEFAULT_CALIBRATION.cpu_process_bytes
     assert comps["allocator and runtime overhead"] == 32 * 2**20  # ZeRO-0: no ZeRO optimizer start-up
-    # bf16 at micro 2 × seq 256 × hidden 768: each hidden-wide activation is 0.75 MB, below the 1 MiB mmap
+    # bf16 at micro 2 × seq 256 × hidden 768: each hidden-wide activation is 0.75 MB, below a 1 MiB mmap
     # threshold, so it lives on the heap: the retention term is positive; in fp32 (1.5 MB) it is not.
     assert 768 * 256 * 2 * 2 < CPU_MMAP_THRESHOLD < 768 * 256 * 2 * 4
     assert comps["heap retention"] > 0
-    fp32 = est(composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2"))
+    fp32 = est(composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", low))
     assert fp32.components.get("heap retention", 0) < comps["heap retention"] / 10
+    # At the fast 32 MiB threshold the fp32 activations live on the heap too; auto (unresolved) counts as 1 MiB.
+    auto = est(composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2"))
+    assert auto.components.get("heap retention", 0) == fp32.components.get("heap retention", 0)
+    fast = est(composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", "launcher.mmap_threshold_mib=32"))
+    assert fast.components["heap retention"] > 10 * fp32.components.get("heap retention", 0) + 2**20
     z2 = est(composed("+model=gpt2", "zero=stage2", "data.seq_len=256", "trainer.micro_batch_size=2"))
     assert z2.components["allocator and runtime overhead"] == 64 * 2**20
     assert sum(e.components.values()) == e.per_rank_peak_bytes
@@ -123,3 +129,20 @@ def test_world_of_one_world_of_two():
     # ZeRO-1 on several ranks allocates its gradient partition only after backward (measured).
     grads = lambda e: e.phases["embedding grad"]["gradients"]  # noqa: E731
     assert grads(two) < grads(one)
+
+
+def test_auto_mmap_threshold_is_fast_only_with_room_to_spare():
+    from zerorun.memory import resolve_mmap_threshold
+
+    cfg = composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2")
+    plan = make_plan(cfg, CPU2)
+    roomy = Hardware("cpu", 0, 0, 64 * GIB, 1, 2, fp16_ok=False)
+    assert resolve_mmap_threshold(cfg, plan, roomy).launcher.mmap_threshold_mib == 32
+    fast = est(dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, mmap_threshold_mib=32)))
+    # Just enough host RAM for the fast setting's estimate, but not its 15% margin: the memory-saving one.
+    tight = dataclasses.replace(roomy, host_mem_bytes=int(fast.per_rank_peak_bytes * 2 * 1.10))
+    assert resolve_mmap_threshold(cfg, plan, tight).launcher.mmap_threshold_mib == 1
+    explicit = composed("+model=gpt2", "launcher.mmap_threshold_mib=32")
+    assert resolve_mmap_threshold(explicit, plan, tight) is explicit
+    _, env = build_command(LaunchPlan("torchrun", "/r", 2, "cpu", master_port=1, mmap_threshold=32 << 20))
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)

@@ -177,9 +177,12 @@ def optimizer_problems(name: OptimizerName, device: OffloadDevice, pipeline: boo
 # How CPU ranks allocate
 
 CPU_MMAP_THRESHOLD = 1 << 20
-"""CPU ranks run with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this: a block of at least 1 MiB gets its own
-mapping, returned to the OS when freed. glibc's default threshold grows with the largest block freed (up
-to 32 MiB), after which activations live on the heap and stay resident once freed while the optimizer step
-allocates anew: measured on GPT-2 small (seq 256, one CPU rank) 0.7-1.1 GiB more peak RSS than with 1 MiB,
-at the same speed. Lower (128 or 512 KiB) saved ~0.4 GiB more but cost 12% of throughput (0.75 MB bf16
-activations re-faulted every step). The estimate counts what stays on the heap (memory/activations.py)."""
+"""The memory-saving mmap threshold (``launcher.mmap_threshold_mib=1``): what the RSS estimate is validated
+at, and what an unresolved (auto) setting is estimated with."""
+FAST_MMAP_THRESHOLD_MIB = 32
+"""glibc's own ceiling for its dynamic threshold: activations stay on the heap, no page faults per step."""
+
+
+def mmap_threshold_bytes(mib) -> int:
+    """``launcher.mmap_threshold_mib`` in bytes; auto (None) until the gate resolves it counts as 1 MiB."""
+    return (mib or 1) << 20

@@ -12,7 +12,7 @@ Each module is one section of docs/memory.md:
 """
 from .activations import DTYPE_BYTES, Activations, activations, attention_kernel
 from .estimate import DEFAULT_CALIBRATION, OVERHEADS, Calibration, Estimate, correction_key, estimate, gib
-from .gate import Change, GateDecision, autofit, gate, runtime_oom_repair, table_configs
+from .gate import Change, GateDecision, autofit, gate, resolve_mmap_threshold, runtime_oom_repair, table_configs
 from .params import ParamBreakdown, count_params, model_key, param_breakdown
 from .stages import PipelineStage, partition_balanced, partition_uniform, pipeline_layer_params, pipeline_stages
 from .states import STATE_NAMES

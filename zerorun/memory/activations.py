@@ -95,7 +95,7 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
                 checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
-                num_labels: int = 2) -> Activations:
+                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD) -> Activations:
     """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1).
 
     Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
@@ -179,7 +179,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     elif kernel == "eager":
         working = max(working, e * sbh + e * s2)
     # The same tensors by size, for what lands on a CPU rank's heap (below the mmap threshold, §5.4).
-    small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < CPU_MMAP_THRESHOLD)) \
+    small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < mmap_threshold)) \
         if accelerator == "cpu" else (lambda sizes: 0)
     hwide, iwide, s2b = sbh * e, int(r * sbh * e), s2
     if kernel == "sdpa-math":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, zero0_flatten_bytes
@@ -87,6 +88,7 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
              "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
              "node": [plan.world.nproc_per_node, plan.pipeline_stages],
+             "optimizer": plan.optimizer.value, "mmap_threshold": mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
              "environment": environment}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -173,7 +175,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     bd = param_breakdown(cfg.model, plan.task, labels)
     key = model_key(cfg.model, plan.task, labels)
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
-                      plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels)
+                      plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
+                      mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib))
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)

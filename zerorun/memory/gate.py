@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded)
+from ..config.rules import FAST_MMAP_THRESHOLD_MIB
 from ..hardware import Hardware
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
 
@@ -74,6 +75,8 @@ class _Knobs:
     params: Optional[bool]
     opt8: bool = False
     """Switch adamw to adamw8bit (only with optimizer.autofit_8bit)."""
+    low_mmap: bool = False
+    """CPU ranks: launcher.mmap_threshold_mib=1 (freed activations go back to the OS; slower steps)."""
 
 
 def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple[RunConfig, List[Change]]:
@@ -124,13 +127,20 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "8-bit optimizer states: ~2 instead of 8 bytes per parameter (allowed by "
                               "optimizer.autofit_8bit; the numerics change slightly)"))
         new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
+    new_la = cfg.launcher
+    if k.low_mmap and (cfg.launcher.mmap_threshold_mib or 1) > 1:
+        changes.append(Change("launcher.mmap_threshold_mib", cfg.launcher.mmap_threshold_mib, 1,
+                              "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
+                              "page faults make steps slower)"))
+        new_la = dataclasses.replace(new_la, mmap_threshold_mib=1)
     new_par = cfg.parallel
     if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
         accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
         changes.append(Change("parallel.micro_batches", cfg.parallel.micro_batches, accum,
                               "the pipeline streams that many smaller micro-batches per step"))
         new_par = dataclasses.replace(new_par, micro_batches=accum)
-    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par, optimizer=new_opt)
+    new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par, optimizer=new_opt,
+                              launcher=new_la)
     return new, changes
 
 
@@ -169,16 +179,19 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
         for opt8 in ([False, True] if may_8bit and layout.device != OffloadDevice.nvme else [False]):
             for small in ([False, True] if shrinkable else [False]):
                 for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
-                    for micro in micros:
-                        out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8))
+                    for low in ([False, True] if world.accelerator == "cpu" and (cfg.launcher.mmap_threshold_mib or 1) > 1
+                                else [False]):
+                        for micro in micros:
+                            out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low))
     return sorted(out, key=_speed_rank)
 
 
 def _speed_rank(k: _Knobs) -> Tuple:
     """Autofit's order, fastest first: parameter offload, then optimizer offload, 8-bit optimizer states, stage,
-    small buckets, checkpointing, and a smaller micro-batch each cost more than everything after them."""
+    small buckets, checkpointing, a low mmap threshold (CPU ranks), and a smaller micro-batch each cost more
+    than everything after them."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
-    return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, -k.micro)
+    return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
 
 
 def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
@@ -227,6 +240,30 @@ def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Op
     found = autofit(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True)),
                     plan, hw, cal=cal)
     return [c.override() for c in found[2]] if found else None
+
+
+FAST_MMAP_HEADROOM = 0.15
+"""The RSS estimate is validated at a 1 MiB mmap threshold; at 32 MiB (activations on the heap) it erred by
+-6% to +13% (benchmarks/rss_validation.py --set quick). The fast setting is only chosen with this to spare."""
+
+
+def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration = DEFAULT_CALIBRATION
+                           ) -> RunConfig:
+    """``launcher.mmap_threshold_mib`` auto (None) made concrete: the fast 32 MiB when the run fits there with
+    FAST_MMAP_HEADROOM to spare, else the memory-saving 1 MiB. GPU ranks: 1 (the setting only applies to CPU
+    ranks' activations; host allocations of GPU ranks are few)."""
+    if cfg.launcher.mmap_threshold_mib is not None:
+        return cfg
+
+    def at(mib: int) -> RunConfig:
+        return dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, mmap_threshold_mib=mib))
+
+    if plan.world.accelerator != "cpu":
+        return at(1)
+    fast = at(FAST_MMAP_THRESHOLD_MIB)
+    est = estimate(fast, plan, hw, cal=cal)
+    roomy = est.per_rank_peak_bytes * (1 + FAST_MMAP_HEADROOM) <= est.device_capacity_bytes and est.fits_host
+    return fast if roomy else at(1)
 
 
 def _describe(cfg: RunConfig, plan: Plan, est: Estimate) -> str:

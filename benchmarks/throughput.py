@@ -1,0 +1,151 @@
+"""zerorun's training speed against what users would otherwise run: the hand-written DeepSpeed loop and HF
+Trainer + DeepSpeed, on the same model, shapes, ZeRO stage and ranks.
+
+    python benchmarks/throughput.py [--spec gpt2-4x256|tiny-gpt2|tiny-bert] [--zero 2] [--offload none|cpu]
+                                    [--pairs 5] [--steps 20] [--warmup 3] [--systems zerorun,loop,hf]
+
+The instrument is this script's own clock: every system prints (or, zerorun, appends to metrics.jsonl) one
+line per optimizer step, and the time each line appears is taken here; tokens/s = tokens of the steps after
+the warm-up / wall time between the warm-up's last line and the last step's. The machine is noisy (2 cores:
+±15-40% between runs), so the systems alternate within each round and only the per-round ratios and their
+medians mean anything. Figures, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+SPECS = {
+    "gpt2-4x256": dict(task="causal_lm", base="tiny-gpt2", num_layers=4, hidden_size=256, num_heads=4,
+                       intermediate_size=1024, vocab_size=8192, max_positions=256, seq_len=256, micro_batch=8),
+    "tiny-gpt2": dict(task="causal_lm", base="tiny-gpt2", num_layers=2, hidden_size=128, num_heads=4,
+                      intermediate_size=512, vocab_size=4096, max_positions=256, seq_len=256, micro_batch=8),
+    "tiny-bert": dict(task="sequence_classification", base="tiny-bert", num_layers=2, hidden_size=128,
+                      num_heads=2, intermediate_size=512, vocab_size=30522, max_positions=256, seq_len=128,
+                      micro_batch=16),
+}
+
+
+def rank_env() -> Dict[str, str]:
+    # Both baselines get what zerorun gives its ranks for threads (2 ranks on 2 cores); nothing else.
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def zerorun_args(spec: Dict, run_dir: Path) -> List[str]:
+    return [f"+model={spec['base']}", *(f"model.{k}={spec[k]}" for k in ("num_layers", "hidden_size", "num_heads",
+                                                                           "intermediate_size", "vocab_size",
+                                                                           "max_positions")),
+            f"data.seq_len={spec['seq_len']}", f"trainer.micro_batch_size={spec['micro_batch']}",
+            f"zero=stage{spec['zero']}", f"offload={spec['offload']}", f"precision={spec['dtype']}",
+            f"trainer.max_steps={spec['steps']}", "trainer.grad_clip=0", "trainer.weight_decay=0",
+            "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.lr=2e-4", "trainer.export=false",
+            "trainer.progress=false", "launcher.nproc_per_node=2", *spec.get("extra", []), f"hydra.run.dir={run_dir}"]
+
+
+def step_times(cmd: List[str], env: Dict[str, str], metrics: Path = None, timeout: float = 1800) -> Dict[int, float]:
+    """Run ``cmd``; the monotonic time each step's line appeared (stdout ``step N``, or a metrics.jsonl line)."""
+    seen: Dict[int, float] = {}
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: List[str] = []
+    done = threading.Event()
+
+    def watch_metrics():
+        while not done.is_set():
+            if metrics is not None and metrics.is_file():
+                for line in metrics.read_text().splitlines():
+                    if line.strip():
+                        try:
+                            step = json.loads(line)["step"]
+                        except ValueError:
+                            continue  # a line being written
+                        seen.setdefault(step, time.monotonic())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch_metrics, daemon=True)
+    watcher.start()
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        words = line.split()
+        if metrics is None and len(words) >= 2 and words[0] == "step" and words[1].isdigit():
+            seen.setdefault(int(words[1]), time.monotonic())
+        if time.monotonic() > deadline:
+            proc.kill()
+    proc.wait()
+    time.sleep(0.05)
+    done.set()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} exited {proc.returncode}:\n{''.join(tail)}")
+    return seen
+
+
+def run(system: str, spec: Dict) -> float:
+    """Tokens/s of one run of ``system`` over the steps after the warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if system == "zerorun":
+            run_dir = Path(tmp) / "run"
+            seen = step_times([str(BIN / "zerorun"), *zerorun_args(spec, run_dir)], dict(os.environ),
+                              metrics=run_dir / "metrics.jsonl")
+        else:
+            script = ROOT / "benchmarks" / "baselines" / ("handwritten_loop.py" if system == "loop" else
+                                                          "hf_trainer_loop.py")
+            port = str(29700 + os.getpid() % 200)
+            seen = step_times([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(script),
+                               "--spec", json.dumps(spec)], rank_env())
+    w, n = spec["warmup"], spec["steps"]
+    if w not in seen or n not in seen:
+        raise RuntimeError(f"{system}: steps {w} and {n} not both seen ({sorted(seen)})")
+    tokens = (n - w) * spec["micro_batch"] * spec["seq_len"] * 2
+    return tokens / (seen[n] - seen[w])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", default="gpt2-4x256", choices=sorted(SPECS))
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--offload", default="none", choices=["none", "cpu"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--pairs", type=int, default=5, help="rounds; each runs every system once, in rotated order")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--systems", default="zerorun,loop,hf")
+    ap.add_argument("--zerorun-args", default="", help="extra zerorun overrides (space-separated), to try a change")
+    a = ap.parse_args()
+    spec = {**SPECS[a.spec], "extra": a.zerorun_args.split(), "zero": a.zero, "offload": a.offload, "dtype": a.dtype, "steps": a.steps,
+            "warmup": a.warmup}
+    systems = a.systems.split(",")
+    results: Dict[str, List[float]] = {s: [] for s in systems}
+    print(f"{a.spec} ZeRO-{a.zero} offload {a.offload} {a.dtype}, 2 CPU ranks, micro-batch {spec['micro_batch']} × "
+          f"seq {spec['seq_len']}, steps {a.warmup + 1}-{a.steps} timed", flush=True)
+    for r in range(a.pairs):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for s in order:
+            results[s].append(run(s, spec))
+        print(f"round {r + 1}: " + ", ".join(f"{s} {results[s][-1]:,.0f}" for s in systems) + " tokens/s", flush=True)
+    print()
+    print(f"{'system':10s} {'median tokens/s':>16s} {'min':>8s} {'max':>8s}")
+    for s in systems:
+        v = results[s]
+        print(f"{s:10s} {statistics.median(v):16,.0f} {min(v):8,.0f} {max(v):8,.0f}")
+    for other in [s for s in systems if s != "zerorun"]:
+        if "zerorun" in systems:
+            ratios = [z / o for z, o in zip(results["zerorun"], results[other])]
+            print(f"zerorun / {other}: median {statistics.median(ratios):.2f}x (rounds: "
+                  + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+
+
+if __name__ == "__main__":
+    main()
