@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -57,7 +57,7 @@ def zerorun_args(spec: Dict, run_dir: Path) -> List[str]:
 
 def step_times(cmd: List[str], env: Dict[str, str], metrics: Path = None, timeout: float = 1800) -> Dict[int, float]:
     """Run ``cmd``; the monotonic time each step's line appeared (stdout ``step N``, or a metrics.jsonl line)."""
-    seen: Dict[int, float] = {}
+    seen: Dict[int, float] = {0: time.monotonic()}  # 0: the command started (start-up = seen[1] - seen[0])
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: List[str] = []
     done = threading.Event()
@@ -92,8 +92,9 @@ def step_times(cmd: List[str], env: Dict[str, str], metrics: Path = None, timeou
     return seen
 
 
-def run(system: str, spec: Dict) -> float:
-    """Tokens/s of one run of ``system`` over the steps after the warm-up."""
+def run(system: str, spec: Dict) -> Tuple[float, float]:
+    """Tokens/s of one run of ``system`` over the steps after the warm-up, and its start-up: seconds from the
+    command to the first step's line (zerorun: config, gate, data, run dir, launcher, ranks, model)."""
     with tempfile.TemporaryDirectory() as tmp:
         if system == "zerorun":
             run_dir = Path(tmp) / "run"
@@ -109,7 +110,7 @@ def run(system: str, spec: Dict) -> float:
     if w not in seen or n not in seen:
         raise RuntimeError(f"{system}: steps {w} and {n} not both seen ({sorted(seen)})")
     tokens = (n - w) * spec["micro_batch"] * spec["seq_len"] * 2
-    return tokens / (seen[n] - seen[w])
+    return tokens / (seen[n] - seen[w]), seen[1] - seen[0]
 
 
 def main() -> None:
@@ -128,18 +129,22 @@ def main() -> None:
             "warmup": a.warmup}
     systems = a.systems.split(",")
     results: Dict[str, List[float]] = {s: [] for s in systems}
+    startup: Dict[str, List[float]] = {s: [] for s in systems}
     print(f"{a.spec} ZeRO-{a.zero} offload {a.offload} {a.dtype}, 2 CPU ranks, micro-batch {spec['micro_batch']} × "
           f"seq {spec['seq_len']}, steps {a.warmup + 1}-{a.steps} timed", flush=True)
     for r in range(a.pairs):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
-            results[s].append(run(s, spec))
+            speed, start = run(s, spec)
+            results[s].append(speed)
+            startup[s].append(start)
         print(f"round {r + 1}: " + ", ".join(f"{s} {results[s][-1]:,.0f}" for s in systems) + " tokens/s", flush=True)
     print()
-    print(f"{'system':10s} {'median tokens/s':>16s} {'min':>8s} {'max':>8s}")
+    print(f"{'system':10s} {'median tokens/s':>16s} {'min':>8s} {'max':>8s} {'start-up s (median)':>20s}")
     for s in systems:
         v = results[s]
-        print(f"{s:10s} {statistics.median(v):16,.0f} {min(v):8,.0f} {max(v):8,.0f}")
+        print(f"{s:10s} {statistics.median(v):16,.0f} {min(v):8,.0f} {max(v):8,.0f} "
+              f"{statistics.median(startup[s]):20.1f}")
     for other in [s for s in systems if s != "zerorun"]:
         if "zerorun" in systems:
             ratios = [z / o for z, o in zip(results["zerorun"], results[other])]

@@ -83,6 +83,7 @@ def assert_run_dir_complete(run_dir, steps, ranks=2):
         assert {"step", "loss", "lr", "tokens_per_s"} <= m.keys()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
+    assert 0 < summary["non_pad_fraction"] <= 1  # LM blocks: 1.0; classification: length-grouped batches
     assert len(summary["peak_memory"]) == ranks and all(p["peak_rss_bytes"] > 0 for p in summary["peak_memory"])
     # DeepSpeed's CPU all-reduce segments (~66 MB per rank, never unlinked by DeepSpeed) are gone.
     words = (run_dir / "command.sh").read_text().split()

@@ -63,6 +63,9 @@ class Outcome:
     code: int
     status: str
     notes: List[str] = field(default_factory=list)
+    """Why it did not run (a refusal's one line)."""
+    point: int = 0
+    overrides: List[str] = field(default_factory=list)
 
 
 def launch(raw: DictConfig, run_dir: Path) -> Outcome:
@@ -70,7 +73,7 @@ def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     try:
         return _launch(raw, RunDir(run_dir))
     except UserError as e:
-        return Outcome(str(run_dir), refuse(e), _status(e))
+        return Outcome(str(run_dir), refuse(e), _status(e), notes=[str(e).splitlines()[0]])
 
 
 def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
@@ -348,8 +351,10 @@ def _hydra_app(raw: DictConfig) -> int:
     _state["task_started"] = True
     hc = HydraConfig.get()
     outcome = launch(raw, Path(hc.runtime.output_dir))
+    outcome.point, outcome.overrides = hc.job.num, list(hc.overrides.task)
     _state["outcomes"].append(outcome)
     _state["multirun"] = hc.mode == RunMode.MULTIRUN
+    _state["sweep_dir"] = hc.sweep.dir
     if _state["multirun"]:
         what = {"memory": "skipped, does not fit (memory gate)", "bad-config": "skipped, bad config",
                 "bad-data": "skipped, bad data", "failed": f"failed (exit code {outcome.code})",
@@ -437,6 +442,14 @@ def _run(args: List[str]) -> int:
         failed = [o for o in outcomes if o.status in ("failed", "preempted", "out of memory")]
         say(f"sweep: {len(outcomes)} points: " + ", ".join(
             f"{s} {sum(o.status == s for o in outcomes)}" for s in sorted({o.status for o in outcomes})))
+        from . import sweep
+
+        points = [sweep.point_of(o.point, o.overrides, o.status, (o.notes or [""])[0][:300], o.run_dir)
+                  for o in outcomes]
+        best = sweep.write(Path(_state["sweep_dir"]), points)
+        if best:
+            say(f"sweep: the fastest point is {best.point} ({' '.join(best.overrides) or 'defaults'}); "
+                f"summary in {Path(_state['sweep_dir']) / 'sweep_summary.md'} and .csv")
         if failed:
             return max(o.code for o in failed) or EXIT_FAILED
         if all(o.code == EXIT_BAD_INPUT for o in outcomes):

@@ -26,6 +26,8 @@ def test_pretrained_minilm_beats_random_init(tmp_path, cache_dir):
           f"random init {acc_rand:.3f} (chance 0.5; validation adjectives never occur in training)")
     assert acc_pre >= 0.8
     assert acc_pre > acc_rand + 0.2
+    # Length-grouped batches: almost no padding in what trained (summary.json reports it for both tasks).
+    assert summary(pretrained)["non_pad_fraction"] >= 0.97, summary(pretrained)["non_pad_fraction"]
 
 
 @pytest.mark.parametrize("overrides", [

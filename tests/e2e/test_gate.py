@@ -1,5 +1,6 @@
 """The memory gate in front of every launch: refuse, autofit (global batch kept), and sweeps."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -41,21 +42,34 @@ def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path
     assert len(read_metrics(run_dir)) == 3
 
 
-def test_sweep_skips_points_that_do_not_fit(tmp_path, cache_dir):
+def test_sweep_skips_points_that_do_not_fit_and_ends_with_a_table_naming_the_fastest(tmp_path, cache_dir):
+    import csv
+    import re
     import subprocess
 
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.run([str(BIN / "zerorun"), "-m", "trainer.micro_batch_size=8,2", *TWO_SMALL_GPUS,
-                           "launcher.nproc_per_node=2", "trainer.max_steps=2", "trainer.progress=false",
+    proc = subprocess.run([str(BIN / "zerorun"), "-m", "trainer.micro_batch_size=8,4,2,1", *TWO_SMALL_GPUS,
+                           "launcher.nproc_per_node=2", "trainer.max_steps=3", "trainer.progress=false",
                            "trainer.export=false", f"hydra.sweep.dir={sweep_dir}"],
                           env=base_env(cache_dir), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600)
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    import re
-
     assert re.search(r"sweep point 0 \([^)]*trainer.micro_batch_size=8[^)]*\): skipped, does not fit", proc.stdout)
-    assert re.search(r"sweep point 1 \([^)]*trainer.micro_batch_size=2[^)]*\): completed", proc.stdout)
-    assert "sweep: 2 points: completed 1, memory 1" in proc.stdout
+    assert re.search(r"sweep point 3 \([^)]*trainer.micro_batch_size=1[^)]*\): completed", proc.stdout)
+    assert "sweep: 4 points: completed 3, memory 1" in proc.stdout
     points = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert not (points[0] / "ds_config.json").exists()
-    assert json.loads((points[1] / "summary.json").read_text())["status"] == "completed"
+    # The table: every point, the finished ones by throughput, numbers as their run dirs have them.
+    rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))
+    assert len(rows) == 4 and [r["status"] for r in rows] == ["completed"] * 3 + ["memory"]
+    assert "memory:" in rows[3]["why"] and rows[3]["point"] == "0"
+    speeds = [float(r["tokens_per_s"]) for r in rows[:3]]
+    assert speeds == sorted(speeds, reverse=True)
+    for r in rows[:3]:
+        summary = json.loads((Path(r["run_dir"]) / "summary.json").read_text())
+        assert float(r["tokens_per_s"]) == summary["tokens_per_s"] and float(r["final_loss"]) == summary["final_loss"]
+        assert float(r["measured_peak_gib"]) == round(max(p["peak_rss_bytes"] for p in summary["peak_memory"]) / 2**30, 3)
+    md = (sweep_dir / "sweep_summary.md").read_text()
+    best = rows[0]
+    assert f"Fastest: point {best['point']}" in md and f"trainer.micro_batch_size={best['overrides'].split('micro_batch_size=')[1].split()[0]}" in md
+    assert f"the fastest point is {best['point']}" in proc.stdout

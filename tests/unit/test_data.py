@@ -117,3 +117,57 @@ def test_too_few_sequences_is_one_rule_for_launcher_and_sampler():
     assert too_few_sequences(16, 16, "x") is None
     problem = too_few_sequences(5, 8, "2 ranks × micro-batch 4 × accumulation 1")
     assert problem.key == "trainer.global_batch_size" and "5 training sequences are too few" in str(problem)
+
+
+def non_pad_fraction(sampler, lengths, steps):
+    real = padded = 0
+    for _ in range(steps):
+        for _ in range(sampler.accum):
+            ls = lengths[sampler.next_indices()]
+            real, padded = real + ls.sum(), padded + ls.max() * len(ls)
+    return real / padded
+
+
+def long_tailed_lengths(n=6000, seed=0):
+    """Review-like lengths: log-normal around ~60 tokens with a long tail, clipped to [4, 512]."""
+    return np.clip(np.random.default_rng(seed).lognormal(4.1, 0.7, n), 4, 512).astype(np.int64)
+
+
+def test_length_grouping_keeps_every_step_the_same_whatever_the_split_and_resumes():
+    lengths = long_tailed_lengths(2000)
+    # Global batch 16: 2 ranks × micro 8, or 2 ranks × micro 4 × accumulation 2.
+    def step_sets(micro, accum, steps=30):
+        ss = [RankSampler(2000, r, 2, micro, seed=3, accum=accum, lengths=lengths) for r in range(2)]
+        return [sorted(np.concatenate([s.next_indices() for s in ss for _ in range(accum)]).tolist())
+                for _ in range(steps)]
+    assert step_sets(8, 1) == step_sets(4, 2)
+    a = RankSampler(2000, 1, 2, 8, seed=3, lengths=lengths)
+    full = [a.next_indices().tolist() for _ in range(200)]  # crosses an epoch (125 per epoch)
+    b = RankSampler(2000, 1, 2, 8, seed=3, lengths=lengths)
+    b.consumed = 77
+    assert [b.next_indices().tolist() for _ in range(123)] == full[77:]
+    # Every example once per epoch, as without grouping.
+    ss = [RankSampler(2000, r, 2, 8, seed=3, lengths=lengths) for r in range(2)]
+    epoch = np.concatenate([s.next_indices() for s in ss for _ in range(s.batches_per_epoch)])
+    assert len(set(epoch.tolist())) == len(epoch) == 2000
+
+
+@pytest.mark.parametrize("name", ["long-tailed", "built-in sentiment"])
+def test_length_grouping_makes_batches_at_least_97_percent_real_tokens(tmp_path, name):
+    if name == "long-tailed":
+        lengths = long_tailed_lengths()
+    else:
+        import dataclasses
+
+        from helpers import composed
+        from zerorun.data import open_split
+
+        cfg = composed("+model=tiny-bert", "data.seq_len=128")
+        data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path))
+        lengths = open_split(prepare(data, cfg.model, cfg.seed, "sequence_classification", 2), "train").lengths
+    n = len(lengths)
+    grouped = non_pad_fraction(RankSampler(n, 0, 2, 8, seed=1, lengths=lengths), lengths, 100)
+    plain = non_pad_fraction(RankSampler(n, 0, 2, 8, seed=1), lengths, 100)
+    print(f"{name}: non-pad fraction {plain:.3f} → {grouped:.3f} with length grouping "
+          f"(pad to max 128: {np.minimum(lengths, 128).mean() / 128:.3f})")
+    assert grouped >= 0.97 and grouped > plain

@@ -314,6 +314,9 @@ class DataConfig:
     (batches are padded only to their longest sequence)."""
     val_fraction: float = 0.05
     """Fraction held out for validation (carved with the seed)."""
+    group_by_length: bool = True
+    """Classification: batch examples of similar length together (padding to each batch's longest costs less);
+    the order is still a function of the seed and epoch, so resume stays exact. No effect on packed LM blocks."""
     synthetic_docs: int = 4000
     """Documents in the synthetic corpus."""
     tokenizer: str = "auto"

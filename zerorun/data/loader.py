@@ -43,6 +43,10 @@ class LabelledTexts:
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
     def batch(self, idx) -> Dict[str, np.ndarray]:
         idx = np.asarray(idx)
         rows = [self.ids[self.offsets[i]:self.offsets[i + 1]] for i in idx]
@@ -73,8 +77,13 @@ class RankSampler:
     (micro-batches drawn by this rank): resume is exact.
     """
 
-    def __init__(self, n: int, rank: int, world: int, micro_batch: int, seed: int, accum: int = 1):
+    GROUP = 64
+    """With lengths: global batches per length-sorted group (HF's LengthGroupedSampler uses 50 megabatches)."""
+
+    def __init__(self, n: int, rank: int, world: int, micro_batch: int, seed: int, accum: int = 1,
+                 lengths: Optional[np.ndarray] = None):
         self.n, self.rank, self.world, self.micro, self.seed, self.accum = n, rank, world, micro_batch, seed, accum
+        self.lengths = lengths
         self.global_batch = micro_batch * world * accum
         problem = too_few_sequences(n, self.global_batch,
                                     f"{world} ranks × micro-batch {micro_batch} × accumulation {accum}")
@@ -87,8 +96,26 @@ class RankSampler:
 
     def _perm(self, epoch: int) -> np.ndarray:
         if self._epoch_cache[0] != epoch:
-            self._epoch_cache = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            if self.lengths is not None:
+                perm = self._grouped(perm, np.random.default_rng([self.seed, epoch, 1]))
+            self._epoch_cache = (epoch, perm)
         return self._epoch_cache[1]
+
+    def _grouped(self, perm: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Length grouping (padded batches waste less): the shuffled order is cut into groups of GROUP global
+        batches, each sorted by length, cut into global batches again, and those put in a shuffled order. A
+        function of (seed, epoch, lengths, global batch) only: the same on every rank, whatever the micro-batch
+        split, so resume stays exact."""
+        g = self.global_batch
+        usable = (self.n // g) * g
+        out = []
+        for start in range(0, usable, g * self.GROUP):
+            chunk = perm[start:min(start + g * self.GROUP, usable)]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            blocks = chunk.reshape(-1, g)
+            out.append(blocks[rng.permutation(len(blocks))].reshape(-1))
+        return np.concatenate(out + [perm[usable:]]) if out else perm
 
     def next_indices(self) -> np.ndarray:
         epoch, b = divmod(self.consumed, self.batches_per_epoch)

@@ -117,6 +117,9 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        # The fraction of the tokens in the trained batches that are not padding (LM blocks: 1.0); useful
+        # tokens/s = tokens_per_s × this.
+        "non_pad_fraction": result.get("non_pad_fraction"),
         "world_size": trainer.world,
         "accelerator": trainer.accel.device_name(),
         "peak_memory": memory,

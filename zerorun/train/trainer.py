@@ -86,8 +86,11 @@ class Trainer:
                                f"the plan {self.plan.grad_accum_steps}: plan.json and ds_config.json disagree")
         self.train_data = open_split(self.prepared, "train")
         self.val_data = open_split(self.prepared, "val")
+        lengths = getattr(self.train_data, "lengths", None)
         self.sampler = RankSampler(len(self.train_data), self.strategy.dp_rank, self.strategy.dp_world,
-                                   self.plan.micro_batch_size, cfg.seed, self.plan.grad_accum_steps)
+                                   self.plan.micro_batch_size, cfg.seed, self.plan.grad_accum_steps,
+                                   lengths=lengths if cfg.data.group_by_length else None)
+        self.tokens_seen = [0, 0]  # this rank's non-pad and padded tokens in the batches it trained on
         self.start_step = 0
         self.step = 0  # the step being run (fault records name it)
         self.rss.mark("built")
@@ -121,6 +124,7 @@ class Trainer:
             t0 = time.perf_counter()
             lr = self.engine.optimizer.param_groups[0]["lr"]  # the LR this step applies
             drawn = [self.sampler.next_indices() for _ in range(accum)]
+            self._count_tokens(drawn)
             mean_loss = self.strategy.train_step([self.batch(self.train_data, idx) for idx in drawn])
             dt = time.perf_counter() - t0
             # One all-reduce per step: whether any rank must stop, and which sequences the step used.
@@ -159,7 +163,23 @@ class Trainer:
         self.rss.mark("trained")
         final_eval = self.evaluate()
         self.rss.mark("evaluated")
-        return {"history": history, "checkpoint": last_ckpt, "final_eval": final_eval}
+        seen = self.torch.tensor(self.tokens_seen, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(seen)
+        non_pad = float(seen[0] / seen[1]) if seen[1] else 1.0
+        return {"history": history, "checkpoint": last_ckpt, "final_eval": final_eval, "non_pad_fraction": non_pad}
+
+    def _count_tokens(self, drawn) -> None:
+        """Padded vs real tokens of this step's micro-batches (each padded to its longest; LM blocks: none)."""
+        lengths = getattr(self.train_data, "lengths", None)
+        for idx in drawn:
+            if lengths is None:
+                n = len(idx) * self.plan.seq_len
+                self.tokens_seen[0] += n
+                self.tokens_seen[1] += n
+            else:
+                ls = lengths[idx]
+                self.tokens_seen[0] += int(ls.sum())
+                self.tokens_seen[1] += int(ls.max()) * len(idx)
 
     # ------------------------------------------------------------------ eval
     def evaluate(self) -> Dict[str, Any]:
