@@ -18,8 +18,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, faults, launcher, netcheck, platforms, supervise
-from .config import (ConfigError, DataError, GateMode, OffloadDevice, OptimizerImpl, ParallelMode, Plan, Rendezvous,
-                     RunConfig,
+from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, OptimizerImpl, ParallelMode, Plan,
+                     Rendezvous, RunConfig,
                      UserError, World,
                      check, compose, data_parallel_size, make_plan,
                      plan_world, register_schemas, to_run_config, unknown_group_choices,
@@ -198,7 +198,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     if short:
         raise short
     run_dir.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)), plan=plan.to_json(),
-                         ds_config=_ds_config(cfg, plan, resume), prepared=prepared.to_json(), resume=resume,
+                         ds_config=_ds_config(cfg, plan, resume, run_dir), prepared=prepared.to_json(), resume=resume,
                          estimate={**decision.estimate.to_json(), "gate": {
                              "mode": decision.mode.value, "ok": decision.ok, "message": decision.message,
                              "changes": [dataclasses.asdict(c) for c in decision.changes]}})
@@ -314,10 +314,14 @@ def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: 
     return {"checkpoint_dir": str(out.resolve()), "tag": tag, "universal": True, "converted_from": str(root / tag)}
 
 
-def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict]) -> dict:
+def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict], run_dir: RunDir) -> dict:
     from .ds_config import render
 
     ds = render(cfg, plan)
+    if cfg.monitor != Monitor.none:  # DeepSpeed's own monitor, writing into the run dir
+        section = {"tensorboard": "tensorboard", "csv": "csv_monitor", "wandb": "wandb"}[cfg.monitor.value]
+        ds[section] = {"enabled": True, "project": cfg.name, "group": run_dir.path.name} if section == "wandb" else \
+            {"enabled": True, "output_path": str(run_dir.path.resolve() / "monitor"), "job_name": "zerorun"}
     if resume and resume.get("universal"):  # a checkpoint converted for another data-parallel size
         ds["checkpoint"] = {**ds.get("checkpoint", {}), "load_universal": True}
     return ds
@@ -351,11 +355,11 @@ def _hydra_app(raw: DictConfig) -> int:
     _state["task_started"] = True
     hc = HydraConfig.get()
     outcome = launch(raw, Path(hc.runtime.output_dir))
-    outcome.point, outcome.overrides = hc.job.num, list(hc.overrides.task)
     _state["outcomes"].append(outcome)
     _state["multirun"] = hc.mode == RunMode.MULTIRUN
-    _state["sweep_dir"] = hc.sweep.dir
-    if _state["multirun"]:
+    if _state["multirun"]:  # hydra.job.num and the sweep dir exist only in a sweep
+        outcome.point, outcome.overrides = hc.job.num, list(hc.overrides.task)
+        _state["sweep_dir"] = hc.sweep.dir
         what = {"memory": "skipped, does not fit (memory gate)", "bad-config": "skipped, bad config",
                 "bad-data": "skipped, bad data", "failed": f"failed (exit code {outcome.code})",
                 "preempted": "stopped by a signal (resumable)", "out of memory": "out of memory after recoveries"}

@@ -12,7 +12,7 @@ from .plan import Buckets, Plan, World, bucket_sizes, data_parallel_size, global
     make_plan, plan_world
 from .rules import Layout, OptimizerImpl, default_task, layouts, offload_problems, params_offloaded, resolve_task
 from .schema import (DataConfig, DataFormat, Dtype, Family, GateMode, HardwareConfig, LauncherConfig, LauncherName,
-                     ModelConfig, OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerName, ParallelConfig, ParallelMode, Partition,
+                     Monitor, ModelConfig, OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerName, ParallelConfig, ParallelMode, Partition,
                      PrecisionConfig, Rendezvous, RunConfig, Schedule, TaskConfig, TaskName, TrainerConfig, ZeroConfig,
                      register_schemas)
 

@@ -31,6 +31,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                           key="zero.stage", value=z.stage))
     problems += offload_problems(z.stage, off.device, off.params)
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
+    problems += _monitor_problems(cfg.monitor.value)
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
         problems.append(UserError(f"deepspeed.optimizer with optimizer={cfg.optimizer.name.value}: zerorun builds "
                                   "that optimizer itself, and DeepSpeed refuses both.",
@@ -212,3 +213,14 @@ def _deepspeed_override_problems(overrides: Dict[str, Any], dtype: Dtype) -> Lis
 
     walk(overrides, "deepspeed")
     return out
+
+
+def _monitor_problems(monitor: str) -> List[UserError]:
+    """DeepSpeed's TensorBoard and W&B monitors need their packages on every rank."""
+    import importlib.util
+
+    needs = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(monitor)
+    if needs and importlib.util.find_spec(needs) is None:
+        return [UserError(f"monitor={monitor} needs the {needs} package, which is not installed.",
+                          f"pip install {needs}, or monitor=csv (no package needed).", key="monitor", value=monitor)]
+    return []

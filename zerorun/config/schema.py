@@ -65,6 +65,13 @@ class OptimizerName(str, enum.Enum):
     sgd = "sgd"              # SGD with momentum: one fp32 buffer, 4 bytes per parameter (0 without momentum)
 
 
+class Monitor(str, enum.Enum):
+    none = "none"
+    tensorboard = "tensorboard"  # DeepSpeed's TensorBoard monitor (pip install tensorboard)
+    csv = "csv"                  # DeepSpeed's CSV monitor
+    wandb = "wandb"              # DeepSpeed's Weights & Biases monitor (pip install wandb; needs its login)
+
+
 class GateMode(str, enum.Enum):
     strict = "strict"
     warn = "warn"
@@ -358,6 +365,9 @@ class RunConfig:
     gate: GateMode = GateMode.strict
     """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit, or calibrate (measure this
     config on this machine once, as zerorun-calibrate does, then gate strictly with the measured correction)."""
+    monitor: Monitor = Monitor.none
+    """Experiment tracking with DeepSpeed's own monitors, written under <run dir>/monitor: tensorboard, csv or
+    wandb (project = the experiment name). Rank 0 logs the loss, tokens/s, LR and validation metrics per step."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed JSON merged over the rendered one (expert escape hatch; checked too)."""
 

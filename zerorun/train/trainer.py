@@ -139,6 +139,7 @@ class Trainer:
             if tr.eval_every and step % tr.eval_every == 0 and step != tr.max_steps:
                 record.update(self.evaluate())
             history.append(record)
+            self._monitor(record)
             if self.writes_run_dir:
                 self.run_dir.append_metrics([record])
                 if bar is not None:
@@ -167,6 +168,15 @@ class Trainer:
         self.dist.all_reduce(seen)
         non_pad = float(seen[0] / seen[1]) if seen[1] else 1.0
         return {"history": history, "checkpoint": last_ckpt, "final_eval": final_eval, "non_pad_fraction": non_pad}
+
+    def _monitor(self, record: Dict[str, Any]) -> None:
+        """The step's figures to DeepSpeed's own monitor (monitor=tensorboard|csv|wandb; it writes on rank 0)."""
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is None or not monitor.enabled or self.rank != 0:
+            return
+        names = {"loss": "train_loss", "tokens_per_s": "tokens_per_s", **{k: k for k in record if k.startswith("val_")}}
+        monitor.write_events([(f"Train/Samples/{name}", float(record[k]), self.engine.global_samples)
+                              for k, name in names.items() if isinstance(record.get(k), (int, float))])
 
     def _count_tokens(self, drawn) -> None:
         """Padded vs real tokens of this step's micro-batches (each padded to its longest; LM blocks: none)."""
