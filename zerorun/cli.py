@@ -169,6 +169,8 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
         code = supervise.supervise(first, run_dir, lambda c, r: _prepare(c, world, hw, prepared, run_dir, r), say)
     finally:
         here.unlink(missing_ok=True)
+    if cfg.trainer.report and run_dir.file("metrics.jsonl").is_file():
+        _pictures(run_dir.path)
     if code == EXIT_FAILED:
         say(f"training failed (exit code {code}); the failing rank's error is above. Run dir: {run_dir.path}")
     return Outcome(str(run_dir.path), code, {EXIT_OK: "completed", faults.EXIT_PREEMPTED: "preempted",
@@ -405,6 +407,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
+def _pictures(path: Path) -> None:
+    """zerorun-report's pictures; a plotting problem is a warning, never the run's failure."""
+    from .report import report
+
+    try:
+        made = report(path)
+        say("pictures: " + ", ".join(str(p) for p in made if p.suffix == ".png"))
+    except Exception as e:  # noqa: BLE001
+        say(f"warning: no pictures ({type(e).__name__}: {e}); zerorun-report {path} retries")
+
+
 def _recorded_reason() -> str:
     """Why the last run stopped, as its supervisor recorded it (recoveries.json)."""
     outcomes = _state["outcomes"]
@@ -451,6 +464,7 @@ def _run(args: List[str]) -> int:
         points = [sweep.point_of(o.point, o.overrides, o.status, (o.notes or [""])[0][:300], o.run_dir)
                   for o in outcomes]
         best = sweep.write(Path(_state["sweep_dir"]), points)
+        _pictures(Path(_state["sweep_dir"]))
         if best:
             say(f"sweep: the fastest point is {best.point} ({' '.join(best.overrides) or 'defaults'}); "
                 f"summary in {Path(_state['sweep_dir']) / 'sweep_summary.md'} and .csv")

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 from .hardware import GIB
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
-USAGE = __doc__.split("\n\n")[1].strip()
+USAGE = __doc__.split("\n\n")[1].strip() + "\n    --plot=FILE.png draws the rows as stacked bars (capacity as a line)"
 
 
 def _gib(n: int) -> str:
@@ -94,6 +95,8 @@ def _eight_bit(M, cfg, world, hw):
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    plot = next((a.split("=", 1)[1] for a in argv if a.startswith("--plot=")), None)
+    argv = [a for a in argv if not a.startswith("--plot=")]
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         print("Overrides as for zerorun: +model=NAME zero=stageN offload=cpu|nvme precision=fp32|fp16|bf16 "
@@ -129,6 +132,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     t3 = time.perf_counter()
     for line in render_table(cfg, plan, hw, rows, chosen):
         print(line)
+    if plot:
+        from .report import draw_estimate_table
+
+        unit = "GPU" if hw.accelerator == "cuda" else "rank"
+        path = draw_estimate_table([(label, e) for label, e, _ in rows], Path(plot),
+                                   f"{cfg.model.name}: per-{unit} peak by ZeRO stage × offload (capacity in red)")
+        print(f"picture: {path}")
     if not decision.ok and decision.suggestion:
         print(f"the composed config does not fit; the fastest that does: {' '.join(decision.suggestion)}")
     elif not decision.ok:

@@ -73,3 +73,26 @@ def test_sweep_skips_points_that_do_not_fit_and_ends_with_a_table_naming_the_fas
     best = rows[0]
     assert f"Fastest: point {best['point']}" in md and f"trainer.micro_batch_size={best['overrides'].split('micro_batch_size=')[1].split()[0]}" in md
     assert f"the fastest point is {best['point']}" in proc.stdout
+    # The pictures: the sweep's and each finished point's, valid PNGs of a sensible size, drawn from the
+    # numbers above (report.*_data is what the plots draw).
+    from matplotlib.image import imread
+
+    from zerorun import report
+
+    assert (sweep_dir / "sweep.png").is_file()
+    drawn = {d["point"]: d for d in report.sweep_data(sweep_dir)}
+    for r in rows:
+        assert drawn[int(r["point"])]["tokens_per_s"] == float(r["tokens_per_s"] or 0)
+    for r in rows[:3]:
+        run = Path(r["run_dir"])
+        for png in ("training.png", "memory.png"):
+            h, w = imread(run / png).shape[:2]
+            assert 300 <= h <= 2000 and 400 <= w <= 3000, (png, h, w)
+        summary = json.loads((run / "summary.json").read_text())
+        estimate = json.loads((run / "estimate.json").read_text())
+        mem = report.memory_data(estimate, summary)
+        assert mem["measured"] == [p["peak_rss_bytes"] for p in summary["peak_memory"]]
+        assert sum(mem["bars"][estimate["peak_phase"]].values()) == estimate["per_rank_peak_bytes"]
+        assert report.training_data(read_metrics(run))["loss"] == [m["loss"] for m in read_metrics(run)]
+    h, w = imread(sweep_dir / "sweep.png").shape[:2]
+    assert 300 <= h <= 2000 and 400 <= w <= 3000

@@ -281,6 +281,9 @@ class TrainerConfig:
     """Progress bar on rank 0."""
     export: bool = True
     """Save the final model (and tokenizer) in Hugging Face format under export_dir (global rank 0)."""
+    report: bool = True
+    """At the end of a run (or sweep), draw training.png, memory.png and report.md into the run dir (sweep:
+    sweep.png), as zerorun-report does."""
     export_dir: str = ""
     """Where the export goes. Empty: <run dir>/export. On SageMaker: SM_MODEL_DIR (/opt/ml/model)."""
     oom_retries: int = 3
