@@ -169,8 +169,9 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
         code = supervise.supervise(first, run_dir, lambda c, r: _prepare(c, world, hw, prepared, run_dir, r), say)
     finally:
         here.unlink(missing_ok=True)
-    if cfg.trainer.report and run_dir.file("metrics.jsonl").is_file():
-        _pictures(run_dir.path)
+    shared = la.nnodes > 1 and la.shared_run_dir
+    if cfg.trainer.report and run_dir.file("metrics.jsonl").is_file() and not (shared and la.node_rank != 0):
+        _pictures(run_dir.path)  # one node draws into a shared run dir
     if code == EXIT_FAILED:
         say(f"training failed (exit code {code}); the failing rank's error is above. Run dir: {run_dir.path}")
     return Outcome(str(run_dir.path), code, {EXIT_OK: "completed", faults.EXIT_PREEMPTED: "preempted",
@@ -274,6 +275,14 @@ def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: 
     """A checkpoint saved by another number of data-parallel ranks: ZeRO-0 holds the whole optimizer and
     loads as is; ZeRO ≥ 1 shards it, so it is converted to DeepSpeed's universal format first (once)."""
     saved = checkpoint.marker(root, tag)
+    family = lambda impl: "adamw" if impl in ("fused_adam", "cpu_adam", "torch_adamw") else impl  # noqa: E731
+    was, now_opt = saved.get("world", {}).get("optimizer"), make_plan(cfg, world).optimizer.value
+    if was and family(was) != family(now_opt):
+        name = {"bnb_adamw8bit": "adamw8bit", "torch_sgd": "sgd"}.get(was, "adamw")
+        raise UserError(f"the checkpoint {root / tag} holds {family(was)} optimizer states and this run uses "
+                        f"{family(now_opt)}: they cannot be loaded into each other.",
+                        f"resume with the optimizer it was saved with (optimizer={name}), or drop trainer.resume "
+                        "to start over.", key="optimizer.name", value=cfg.optimizer.name.value)
     then = saved.get("world", {}).get("data_parallel")
     now = data_parallel_size(cfg, world)
     if not then or then == now:

@@ -236,7 +236,17 @@ def _channels(environ: Mapping[str, str], base: Path, given: set) -> List[str]:
         name = next((n for n in names if n in channels), None)
         if name is None or key in given:
             continue
-        files = sorted(p for p in Path(channels[name]).iterdir() if p.is_file() and not p.name.startswith("."))
+        try:
+            files = sorted(p for p in Path(channels[name]).iterdir() if p.is_file() and not p.name.startswith("."))
+        except OSError as e:
+            raise UserError(f"SageMaker: channel {name} ({channels[name]}) cannot be read: {e}.",
+                            "check the channel's S3 prefix and input mode (File).", key=key,
+                            value=channels[name]) from None
+        if not files:
+            raise UserError(f"SageMaker: channel {name} ({channels[name]}) holds no file at its top level (files in "
+                            "subfolders, or Pipe mode?), and zerorun would train on its built-in data instead.",
+                            f"upload one .txt/.jsonl/.csv file to the channel's prefix (File input mode), or name it: "
+                            f"hyperparameter {key}=<path>.", key=key, value=channels[name])
         if len(files) > 1:
             raise UserError(f"SageMaker: channel {name} holds {len(files)} files ({', '.join(f.name for f in files[:4])}"
                             f"{', ...' if len(files) > 4 else ''}) and zerorun reads one file per split.",
@@ -294,7 +304,9 @@ def slurm(environ: Mapping[str, str]) -> Platform:
     rank = int(environ.get("SLURM_NODEID", "0")) if in_step else 0
     name = environ.get("SLURM_JOB_NAME", "zerorun")
     root = Path(environ.get("ZERORUN_RUN_ROOT") or Path(environ.get("SLURM_SUBMIT_DIR") or ".") / "zerorun-runs")
-    run_dir = root / f"{name}-{job}"
+    # One run dir per srun step of the job: a requeued job (same id, steps counted from 0 again) finds its
+    # own; two `srun zerorun` in one allocation do not share one.
+    run_dir = root / f"{name}-{job}-{environ.get('SLURM_STEP_ID') or 'batch'}"
     overrides = [f"hydra.run.dir={run_dir}"]
     if nnodes > 1:
         if not hosts:
@@ -303,7 +315,8 @@ def slurm(environ: Mapping[str, str]) -> Platform:
         overrides += ["launcher=torchrun", f"launcher.nnodes={nnodes}", f"launcher.node_rank={rank}",
                       f"launcher.master_addr={hosts[0]}", f"launcher.master_port={20000 + int(job) % 20000}"]
     notes = [f"Slurm job {job}: node {rank} of {nnodes}" + (f", master {hosts[0]}" if nnodes > 1 else "")]
-    if complete_tags(run_dir / "checkpoints"):
+    if int(environ.get("SLURM_RESTART_COUNT") or 0) > 0 and complete_tags(run_dir / "checkpoints"):
         overrides.append("trainer.resume=true")
-        notes.append(f"resuming from {run_dir / 'checkpoints'} (a requeued job)")
+        notes.append(f"resuming from {run_dir / 'checkpoints'} (requeued: SLURM_RESTART_COUNT="
+                     f"{environ['SLURM_RESTART_COUNT']})")
     return Platform("slurm", overrides, requeue=["scontrol", "requeue", job], node_rank=rank, notes=notes)

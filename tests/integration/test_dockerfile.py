@@ -203,7 +203,7 @@ def _argv_per_node(stdout: str) -> List[List[str]]:
 
 def test_slurm_sbatch_is_srun_zerorun_one_task_per_node(stub_bin, tmp_path):
     """The allocation's facts are zerorun's to read (zerorun.platforms, tested on two hosts in
-    tests/e2e/test_platforms.py); the script only starts one zerorun per node with the user's overrides."""
+    tests/e2e/test_platform_jobs.py); the script only starts one zerorun per node with the user's overrides."""
     _stub(stub_bin / "srun", 'echo "== node srun"; printf "%s\\n" "$@"\n')
     env = dict(os.environ, PATH=f"{stub_bin}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-node-[07-08]",
                SLURM_NNODES="2", SLURM_JOB_NAME="zerorun", SLURM_JOB_ID="4242", SLURM_CPUS_PER_TASK="8",

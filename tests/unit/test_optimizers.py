@@ -86,3 +86,43 @@ def test_eight_bit_state_formula_is_what_bitsandbytes_allocates(numel):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     cfg, plan = planned("optimizer=adamw8bit", "zero=stage2", world=CPU2)
     assert optimizer_state_bytes(cfg, plan, numel) == sum(seen.values())
+
+
+def test_runtime_oom_repair_never_switches_the_optimizer():
+    from zerorun.memory import runtime_oom_repair
+
+    cfg, plan = planned("+model=tiny-gpt2", "trainer.micro_batch_size=1", "optimizer.autofit_8bit=true", world=CPU2)
+    for _ in range(12):
+        repair = runtime_oom_repair(cfg, plan)
+        if repair is None:
+            break
+        cfg, changes = repair
+        plan = make_plan(cfg, CPU2)
+        assert all(c.key != "optimizer.name" for c in changes)
+
+
+def test_resuming_another_optimizers_states_is_refused(tmp_path):
+    import json
+
+    from zerorun import cli
+    from zerorun.config import UserError
+    from zerorun.rundir import RunDir
+
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text(json.dumps({"step": 4, "world": {"data_parallel": 2, "optimizer": "torch_adamw"},
+                                              "zero_stage": 2}))
+    cfg = composed("optimizer=adamw8bit", "zero=stage2")
+    with pytest.raises(UserError, match="holds adamw optimizer states and this run uses bnb_adamw8bit") as e:
+        cli._for_this_world(cfg, CPU2, tmp_path / "checkpoints", "global_step4", {}, RunDir(tmp_path))
+    assert "optimizer=adamw" in str(e.value)
+    same = composed("zero=stage2", "offload=cpu")  # DeepSpeed's CPU Adam: the same AdamW states
+    assert cli._for_this_world(same, CPU2, tmp_path / "checkpoints", "global_step4", {"x": 1}, RunDir(tmp_path)) == \
+        {"x": 1}
+
+
+@pytest.mark.parametrize("value", [0, 33, -1])
+def test_mmap_threshold_out_of_range_is_refused(value):
+    problems = [str(p) for p in check(composed(f"launcher.mmap_threshold_mib={value}"), CPU2, libaio=True,
+                                      writable=lambda p: None)]
+    assert any(f"launcher.mmap_threshold_mib={value}" in p for p in problems), problems

@@ -53,6 +53,7 @@ def test_a_restarted_sagemaker_job_resumes_from_its_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("case, words", [
     ("two files in a channel", "channel train holds 2 files (a.txt, train.txt)"),
+    ("empty channel", "holds no file at its top level"),
     ("current host missing", "the current host 'algo-9' is not in the host list"),
     ("bad json", "hyperparameter zero = '[stage3' is not valid JSON"),
     ("bad key", "hyperparameter 'rm -rf' is not a config key"),
@@ -62,6 +63,8 @@ def test_bad_sagemaker_input_is_one_clear_error(tmp_path, case, words):
     base = sagemaker_base(tmp_path, current="algo-9" if case == "current host missing" else "algo-1")
     if case == "two files in a channel":
         (base / "input" / "data" / "train" / "a.txt").write_text("x")
+    if case == "empty channel":
+        (base / "input" / "data" / "train" / "train.txt").unlink()
     if case == "bad json":
         (base / "input" / "config" / "hyperparameters.json").write_text(json.dumps({"zero": "[stage3"}))
     if case == "bad key":
@@ -91,16 +94,20 @@ def slurm_env(tmp_path, **over):
 
 def test_slurm_one_task_per_node_derives_the_rendezvous_and_a_per_job_run_dir(tmp_path):
     p = platforms.detect(slurm_env(tmp_path), [])
-    run = tmp_path / "zerorun-runs" / "ft-4242"
+    run = tmp_path / "zerorun-runs" / "ft-4242-0"
     assert p.overrides == [f"hydra.run.dir={run}", "launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=1",
                            "launcher.master_addr=node07", f"launcher.master_port={20000 + 4242}"]
     assert p.requeue == ["scontrol", "requeue", "4242"]
     (run / "checkpoints" / "global_step2").mkdir(parents=True)
     (run / "checkpoints" / "global_step2" / "COMPLETE").write_text("{}")
-    assert "trainer.resume=true" in platforms.detect(slurm_env(tmp_path), []).overrides  # the requeued job
+    # only a requeued job resumes by itself; a second `srun zerorun` in the allocation gets its own run dir
+    assert "trainer.resume=true" not in platforms.detect(slurm_env(tmp_path), []).overrides
+    assert "trainer.resume=true" in platforms.detect(slurm_env(tmp_path, SLURM_RESTART_COUNT="1"), []).overrides
+    assert f"hydra.run.dir={tmp_path / 'zerorun-runs' / 'ft-4242-1'}" in platforms.detect(
+        slurm_env(tmp_path, SLURM_STEP_ID="1"), []).overrides
     # the batch script itself (no srun step) is one node's job
-    assert platforms.detect(slurm_env(tmp_path, SLURM_STEP_ID=""), []).overrides == [f"hydra.run.dir={run}",
-                                                                                     "trainer.resume=true"]
+    assert platforms.detect(slurm_env(tmp_path, SLURM_STEP_ID=""), []).overrides == [
+        f"hydra.run.dir={tmp_path / 'zerorun-runs' / 'ft-4242-batch'}"]
 
 
 def test_slurm_one_task_per_gpu_is_refused_not_run_as_g_squared_ranks(tmp_path):

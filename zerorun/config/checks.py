@@ -32,6 +32,12 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     problems += offload_problems(z.stage, off.device, off.params)
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
     problems += _monitor_problems(cfg.monitor.value)
+    mmap = cfg.launcher.mmap_threshold_mib
+    if mmap is not None and not 1 <= mmap <= 32:
+        problems.append(UserError(f"launcher.mmap_threshold_mib={mmap}: glibc takes a fixed threshold up to 32 MiB "
+                                  "(above, it keeps its own dynamic one, which the estimate does not model).",
+                                  "1 (memory-saving), 32 (fast), or leave it unset (auto).",
+                                  key="launcher.mmap_threshold_mib", value=mmap))
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
         problems.append(UserError(f"deepspeed.optimizer with optimizer={cfg.optimizer.name.value}: zerorun builds "
                                   "that optimizer itself, and DeepSpeed refuses both.",

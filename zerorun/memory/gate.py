@@ -164,7 +164,7 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
     shrinkable = bucket_sizes(dataclasses.replace(cfg, zero=default)) != bucket_sizes(cfg) or z.overlap_comm
     user_device = OffloadDevice(off.device)
     may_8bit = cfg.optimizer.autofit_8bit and cfg.optimizer.name == OptimizerName.adamw \
-        and cfg.parallel.mode == ParallelMode.dp
+        and cfg.parallel.mode == ParallelMode.dp and _has_bitsandbytes()
     out = []
     for layout in layouts(cfg.parallel.mode):
         if layout.stage < z.stage:
@@ -214,7 +214,8 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
     and at micro-batch 1 the next rung of autofit's ladder that keeps micro-batch 1 (checkpointing,
     smaller buckets, a higher ZeRO stage, CPU offload, parameter offload)."""
     pinned = plan.global_batch_size
-    knobs = _candidates(cfg, plan.world, pinned)
+    # Never a change of optimizer at runtime: the relaunch resumes the checkpoint, whose states are AdamW's.
+    knobs = [k for k in _candidates(cfg, plan.world, pinned) if not k.opt8]
     micro = cfg.trainer.micro_batch_size
     if micro > 1:
         smaller = sorted({k.micro for k in knobs if k.micro <= micro // 2}, reverse=True)
@@ -233,9 +234,15 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
     return None
 
 
+def _has_bitsandbytes() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
 def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Optional[List[str]]:
     """The overrides of the fastest fit once adamw8bit is allowed, when the user did not allow it."""
-    if cfg.optimizer.autofit_8bit or cfg.optimizer.name != OptimizerName.adamw:
+    if cfg.optimizer.autofit_8bit or cfg.optimizer.name != OptimizerName.adamw or not _has_bitsandbytes():
         return None
     found = autofit(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True)),
                     plan, hw, cal=cal)

@@ -94,8 +94,8 @@ def optimizer_step_bytes(plan: Plan, tensor: int) -> int:
         return 2 * 4 * tensor  # for-loop AdamW: ``exp_avg_sq.sqrt() / bc2`` then ``.add_``
     if plan.optimizer == OptimizerImpl.bnb_adamw8bit and plan.world.accelerator == "cpu":
         return BNB_CPU_STEP_BYTES * tensor
-    if plan.optimizer == OptimizerImpl.torch_sgd and plan.world.accelerator == "cpu":
-        return 4 * tensor  # ``grad.add(param, alpha=weight_decay)``
+    if plan.optimizer == OptimizerImpl.torch_sgd:
+        return 4 * tensor  # ``grad.add(param, alpha=weight_decay)`` (foreach on CUDA: a copy of every grad)
     return 0
 
 

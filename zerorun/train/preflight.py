@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 ENV = "ZERORUN_PREFLIGHT"
-NODE_OWN = ("node_rank:", "path:", "val_path:", "checkpoint_dir:", "export_dir:", "nvme_path:", "resume_from:")
+NODE_OWN = ("node_rank:", "path:", "val_path:", "checkpoint_dir:", "export_dir:", "nvme_path:", "resume_from:",
+            "mmap_threshold_mib:")  # auto resolves from each node's own free memory
 COMPARED = ("versions", "config", "data", "nproc_per_node", "devices", "resume")
 NODES_DIR = "nodes"
 """In the run dir: one file per running zerorun (named by its id); which ones a node sees tells whether the

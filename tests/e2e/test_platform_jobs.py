@@ -111,7 +111,7 @@ def test_slurm_two_nodes_usr2_checkpoints_requeues_and_the_requeued_job_resumes(
                "PATH": f"{stub}:{os.environ['PATH']}"}
         return start_on_host(hosts[i], args, tmp_path, tmp_path / f"cache{i}", env)
 
-    run = tmp_path / "zerorun-runs" / "ft-777"
+    run = tmp_path / "zerorun-runs" / "ft-777-0"
     procs = [srun_task(0), srun_task(1)]
     deadline = time.time() + 400
     while time.time() < deadline and all(p.poll() is None for p in procs):
