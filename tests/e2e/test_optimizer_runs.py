@@ -52,14 +52,16 @@ def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(tmp_path, c
           f"{s['estimated_components']['optimizer states']} B estimated")
 
 
-def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_runs):
-    if 2 not in eight_bit_runs:
-        pytest.skip("needs the ZeRO-2 run of the test above")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_runs, stage):
+    if stage not in eight_bit_runs:
+        pytest.skip(f"needs the ZeRO-{stage} run of the test above")
     run = tmp_path / "resumed"
     # Rank 1 is killed after step 5; zerorun restarts the ranks from the step-4 checkpoint.
-    proc = run_zerorun([*RUN, "zero=stage2", "optimizer=adamw8bit", "trainer.export=false", "trainer.max_restarts=1",
-                        "trainer.restart_backoff_s=0"], run, cache_dir, env_extra={"ZERORUN_FAULT_KILL": "1:5"})
+    proc = run_zerorun([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit", "trainer.export=false",
+                        "trainer.max_restarts=1", "trainer.restart_backoff_s=0"], run, cache_dir,
+                       env_extra={"ZERORUN_FAULT_KILL": "1:5"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert summary(run)["resumed_from_step"] == 4
-    got, want = read_metrics(run), eight_bit_runs[2]
+    got, want = read_metrics(run), eight_bit_runs[stage]
     assert [(m["step"], m["loss"]) for m in got] == [(m["step"], m["loss"]) for m in want]  # bit-identical
