@@ -32,6 +32,22 @@ def planned(*overrides, world=GPU8):
     return cfg, make_plan(cfg, world)
 
 
+def repair_ladder(*overrides, world=CPU2, limit=12):
+    """Every rung runtime_oom_repair climbs from ``overrides``, as (config, changes), until nothing is left."""
+    from zerorun.memory import runtime_oom_repair
+
+    cfg, plan = planned(*overrides, world=world)
+    steps = []
+    for _ in range(limit):
+        repair = runtime_oom_repair(cfg, plan)
+        if repair is None:
+            break
+        cfg, changes = repair
+        plan = make_plan(cfg, world)
+        steps.append((cfg, changes))
+    return steps
+
+
 def model_file(name: str) -> ModelConfig:
     from omegaconf import OmegaConf
 

@@ -12,20 +12,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, faults, launcher, netcheck, platforms, supervise
-from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, OptimizerImpl, ParallelMode, Plan,
-                     Rendezvous, RunConfig,
-                     UserError, World,
-                     check, compose, data_parallel_size, make_plan,
-                     plan_world, register_schemas, to_run_config, unknown_group_choices,
-                     unknown_override_keys)
+from . import faults, launcher, netcheck, platforms, supervise
+from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
+                     UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
+                     unknown_group_choices, unknown_override_keys)
 from .config.rules import mmap_threshold_bytes
 from .hardware import GIB, Hardware, detect, resolve_hardware
+from .resume import find as resume_point
 from .rundir import RunDir
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = faults.EXIT_OK, faults.EXIT_FAILED, faults.EXIT_BAD_INPUT
@@ -147,7 +145,7 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     say(f"data: {prepared.source}, {prepared.task}: {prepared.num_train} train / {prepared.num_val} "
         f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
-    cfg, resume = _resume_point(cfg, world, run_dir)
+    cfg, resume = resume_point(cfg, world, run_dir, say)
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
     la = cfg.launcher
     if la.nnodes > 1 and not la.hostfile:  # started node by node: the rendezvous, checked in seconds
@@ -227,102 +225,6 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
                             master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes,
                             resume=resume)
-
-
-def resume_candidates(cfg: RunConfig, run_dir: Path) -> List[Path]:
-    """Where trainer.resume looks: trainer.resume_from, else this run dir (hydra.run.dir reused), then
-    earlier runs of the same experiment, newest first."""
-    if cfg.trainer.resume_from:
-        return [Path(cfg.trainer.resume_from)]
-    if cfg.trainer.checkpoint_dir:
-        return [Path(cfg.trainer.checkpoint_dir)]
-    siblings = sorted((d for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir),
-                      key=lambda d: d.name, reverse=True) if run_dir.parent.is_dir() else []
-    return [run_dir] + siblings
-
-
-def _resume_point(cfg: RunConfig, world: World, run_dir: RunDir) -> Tuple[RunConfig, Optional[dict]]:
-    """With trainer.resume: the newest complete checkpoint whose files match their manifest (damaged ones
-    are named and passed over), and the config changes OOM recoveries of that run made, applied again."""
-    if not cfg.trainer.resume:
-        return cfg, None
-    found, skipped = checkpoint.resume_point(resume_candidates(cfg, run_dir.path))
-    for why in skipped:
-        say(f"passing over a damaged checkpoint: {why}")
-    if not found:
-        where = cfg.trainer.resume_from or f"{run_dir.path} or earlier runs in {run_dir.path.parent}"
-        if skipped:
-            raise UserError(f"no checkpoint to resume from is intact: {skipped[-1]}.",
-                            "restore the file, resume_from an earlier run, or drop trainer.resume to start over.",
-                            key="trainer.resume_from")
-        raise UserError(f"trainer.resume=true but no complete checkpoint was found in {where}.",
-                        "trainer.resume_from=<run dir>, or drop trainer.resume.", key="trainer.resume_from")
-    root, tag = found
-    say(f"resuming from {root / tag}")
-    source = root.parent if root.name == "checkpoints" else root
-    changes = supervise.recorded_changes(source)
-    if changes:
-        cfg = supervise.apply_changes(cfg, changes)
-        say("applying what out-of-memory recoveries of that run changed: " + " ".join(c["override"] for c in changes))
-        if source.resolve() != run_dir.path.resolve():
-            for event in RunDir(source).read_recoveries():
-                run_dir.append_recovery({**event, "run_dir": str(source)})
-    resume = {"checkpoint_dir": str(root.resolve()), "tag": tag}
-    return cfg, _for_this_world(cfg, world, root, tag, resume, run_dir)
-
-
-def _for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: dict, run_dir: RunDir) -> dict:
-    """A checkpoint saved by another number of data-parallel ranks: ZeRO-0 holds the whole optimizer and
-    loads as is; ZeRO ≥ 1 shards it, so it is converted to DeepSpeed's universal format first (once)."""
-    saved = checkpoint.marker(root, tag)
-    family = lambda impl: "adamw" if impl in ("fused_adam", "cpu_adam", "torch_adamw") else impl  # noqa: E731
-    was, now_opt = saved.get("world", {}).get("optimizer"), make_plan(cfg, world).optimizer.value
-    if was and family(was) != family(now_opt):
-        name = {"bnb_adamw8bit": "adamw8bit", "torch_sgd": "sgd"}.get(was, "adamw")
-        raise UserError(f"the checkpoint {root / tag} holds {family(was)} optimizer states and this run uses "
-                        f"{family(now_opt)}: they cannot be loaded into each other.",
-                        f"resume with the optimizer it was saved with (optimizer={name}), or drop trainer.resume "
-                        "to start over.", key="optimizer.name", value=cfg.optimizer.name.value)
-    then = saved.get("world", {}).get("data_parallel")
-    now = data_parallel_size(cfg, world)
-    if not then or then == now:
-        return resume
-    if saved.get("world", {}).get("optimizer") == OptimizerImpl.bnb_adamw8bit.value and saved.get("zero_stage", 0):
-        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks with 8-bit optimizer "
-                        f"states and this run has {now}: DeepSpeed's universal checkpoint slices every state tensor "
-                        "as if it were shaped like the parameters, and the 8-bit states' block scales are not.",
-                        f"resume on {then} data-parallel ranks (launcher.nproc_per_node × launcher.nnodes, as saved).",
-                        key="optimizer.name", value="adamw8bit")
-    if cfg.launcher.nnodes > 1 and not cfg.launcher.shared_run_dir:
-        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
-                        "converting it needs every node's shards in one place, and each node holds only its own.",
-                        f"copy each node's {tag} into one directory, resume there with "
-                        f"trainer.resume_from=<that run dir>, or keep {then} data-parallel ranks",
-                        key="launcher.shared_run_dir", value=False)
-    if cfg.parallel.mode == ParallelMode.pipeline:
-        raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
-                        "pipeline checkpoints resume only on the same layout.",
-                        f"launcher.nproc_per_node={saved.get('world', {}).get('ranks', then)} (as saved)",
-                        key="launcher.nproc_per_node", value=world.nproc_per_node)
-    was = saved.get("world", {}).get("global_batch")
-    if was and was != make_plan(cfg, world).global_batch_size:
-        say(f"warning: the global batch was {was} and is now {make_plan(cfg, world).global_batch_size}: "
-            f"trainer.global_batch_size={was} keeps the optimization (and the data order) the same.")
-    if saved.get("zero_stage", 0) == 0:
-        say(f"the checkpoint was saved by {then} data-parallel ranks, this run has {now}: ZeRO-0 checkpoints "
-            "hold the whole optimizer state and load as they are.")
-        return resume
-    say(f"the checkpoint was saved by {then} data-parallel ranks, this run has {now}: converting it to "
-        "DeepSpeed's universal checkpoint format (deepspeed.checkpoint.ds_to_universal, once) ...")
-    try:
-        out = checkpoint.to_universal(root, tag, run_dir.path / checkpoint.UNIVERSAL,
-                                      launcher.rank_env(world.accelerator, 1, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)))
-    except RuntimeError as e:
-        raise UserError(str(e), f"convert it yourself: python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-                        f"{root / tag} --output_folder {run_dir.path / checkpoint.UNIVERSAL / tag} "
-                        "--inject_missing_state", key="trainer.resume_from") from e
-    say(f"converted: resuming from {out / tag} (checkpoint.load_universal)")
-    return {"checkpoint_dir": str(out.resolve()), "tag": tag, "universal": True, "converted_from": str(root / tag)}
 
 
 def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict], run_dir: RunDir) -> dict:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from helpers import composed
 from zerorun import checkpoint
-from zerorun.cli import resume_candidates
+from zerorun.resume import candidates as resume_candidates
 
 
 def make_tag(root: Path, step: int, complete: bool = True) -> None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import CPU2, planned
+from helpers import CPU2, planned, repair_ladder
 from zerorun import checkpoint, faults
 from zerorun.config import make_plan
 from zerorun.memory import runtime_oom_repair
@@ -30,21 +30,15 @@ def test_oom_halves_the_micro_batch_and_keeps_the_global_batch():
 
 
 def test_at_micro_batch_one_the_repair_climbs_the_gates_ladder():
-    cfg, plan = planned("+model=tiny-gpt2", "trainer.micro_batch_size=1", "zero=stage1", world=CPU2)
-    seen = []
-    for _ in range(12):
-        repair = runtime_oom_repair(cfg, plan)
-        if repair is None:
-            break
-        cfg, changes = repair
-        plan = make_plan(cfg, CPU2)
-        seen += [f"{c.key}={c.new}" for c in changes]
-        assert cfg.trainer.micro_batch_size == 1
+    steps = repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", "zero=stage1")
+    assert all(cfg.trainer.micro_batch_size == 1 for cfg, _ in steps)
+    seen = [f"{c.key}={c.new}" for _, changes in steps for c in changes]
     # checkpointing, then each ZeRO stage, optimizer offload, then parameters too (buckets are already
     # the small default for this model); never back down
     assert seen == ["trainer.activation_checkpointing=True", "zero.stage=2", "zero.stage=3",
                     "offload.device=OffloadDevice.cpu", "offload.params=False", "offload.params=True"]
-    assert runtime_oom_repair(cfg, plan) is None  # nothing left: the launcher stops with EXIT_OOM
+    last = steps[-1][0]
+    assert runtime_oom_repair(last, make_plan(last, CPU2)) is None  # nothing left: the launcher stops with EXIT_OOM
 
 
 def test_oom_retries_are_capped():
