@@ -20,7 +20,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .checkpoint import complete_tags
 from .config.errors import UserError
@@ -97,13 +97,17 @@ def hyperparameters(environ: Mapping[str, str], base: Path, argv: Sequence[str])
                                     "fix the value in the estimator's hyperparameters.", key=k, value=v) from None
                 # a plain word (generic Estimators pass str(value)): kept, as the toolkit does
         hps[k] = v
-    hps.update(argv_pairs(argv))
+    hps.update(split_argv(argv)[0])
     return hps
 
 
-def argv_pairs(argv: Sequence[str]) -> Dict[str, Any]:
-    """``--key value`` pairs (the toolkit's and SDK v3's form) as hyperparameters; other words are left."""
-    out, i = {}, 0
+def split_argv(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """The toolkit's (and SDK v3's) ``--key value`` pairs as hyperparameters (values JSON-decoded where they
+    parse), and the words that are Hydra overrides already (``key=value``); the ``train`` argument SageMaker
+    gives a bring-your-own container is dropped."""
+    pairs: Dict[str, Any] = {}
+    words: List[str] = []
+    i = 0
     while i < len(argv):
         a = argv[i]
         if a.startswith("-") and "=" not in a and i + 1 < len(argv):
@@ -112,26 +116,13 @@ def argv_pairs(argv: Sequence[str]) -> Dict[str, Any]:
                 value = json.loads(value)
             except ValueError:
                 pass
-            out[a.lstrip("-")] = value
-            i += 2
-        else:
-            i += 1
-    return out
-
-
-def hydra_words(argv: Sequence[str]) -> List[str]:
-    """The argv words that are Hydra overrides already (``key=value``), not ``--key value`` pairs or the
-    ``train`` argument SageMaker gives a bring-your-own container."""
-    out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("-") and "=" not in a and i + 1 < len(argv):
+            pairs[a.lstrip("-")] = value
             i += 2
             continue
         if not (i == 0 and a == "train"):
-            out.append(a)
+            words.append(a)
         i += 1
-    return out
+    return pairs, words
 
 
 _PLAIN = re.compile(r"^[\w./:@+\-]*$")
@@ -211,7 +202,7 @@ def sagemaker(environ: Mapping[str, str], argv: Sequence[str]) -> Platform:
         if complete_tags(node_ckpt):
             overrides.append("trainer.resume=true")
             notes.append(f"resuming from {node_ckpt} (a restarted job: SageMaker copied the checkpoints back)")
-    user = hp_overrides(hyperparameters(environ, base, argv)) + hydra_words(argv)
+    user = hp_overrides(hyperparameters(environ, base, argv)) + split_argv(argv)[1]
     given = {_key(o) for o in user}  # the user's value for a key wins
     overrides = [o for o in overrides if _key(o) not in given] + _channels(environ, base, given) + user
     iface = environ.get("SM_NETWORK_INTERFACE_NAME") or resource.get("network_interface_name") or ""

@@ -7,13 +7,15 @@ gate's estimate as a stacked bar per phase, the measured peak of each rank drawn
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-GIB = 2**30
-CATEGORIES = (  # stack order, bottom first; an entry's category is the first whose words it contains
+from .hardware import GIB
+from .rundir import RunDir
+from .sweep import measured_peaks
+
+CATEGORIES = (  # stack order, bottom first, and the words that put an entry in each (see MATCH_ORDER)
     ("parameters", ("parameter", "model as built", "whole model")),
     ("gradients", ("grad",)),
     ("optimizer states", ("optimizer states", "master")),
@@ -24,14 +26,6 @@ CATEGORIES = (  # stack order, bottom first; an entry's category is the first wh
 RUNTIME = "runtime (process, heap, context, NCCL, margin)"
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer states": "#55a868", "activations": "#c44e52",
           "logits + loss": "#8172b3", "buffers + transients": "#937860", "other": "#da8bc3", RUNTIME: "#8c8c8c"}
-
-
-def _read(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
 
 MATCH_ORDER = ("parameters", "activations", "optimizer states", "logits + loss", "buffers + transients", "gradients")
 """Which category claims a name first ("activation-grad working set" is activations, "embedding grad transient"
@@ -56,8 +50,7 @@ def memory_data(estimate: Dict[str, Any], summary: Dict[str, Any]) -> Dict[str, 
             stack[category(k)] = stack.get(category(k), 0) + int(v)
         stack[RUNTIME] = max(0, runtime)
         bars[name] = stack
-    measured = [max(p.get("peak_rss_bytes", 0), (p.get("device_bytes") or {}).get("device_peak", 0))
-                for p in summary.get("peak_memory", [])]
+    measured = measured_peaks(summary)
     return {"bars": bars, "measured": measured, "capacity": estimate.get("device_capacity_bytes"),
             "estimate": estimate.get("per_rank_peak_bytes"), "peak_phase": peak_phase, "device": estimate.get("device")}
 
@@ -128,10 +121,8 @@ def draw_training(data: Dict[str, List], out: Path, title: str) -> Path:
 
 def run_report(run_dir: Path) -> List[Path]:
     """training.png, memory.png and report.md in the run dir."""
-    from .rundir import RunDir
-
     rd = RunDir(run_dir)
-    metrics, summary, estimate = rd.read_metrics(), _read(run_dir / "summary.json"), _read(run_dir / "estimate.json")
+    metrics, summary, estimate = rd.read_metrics(), rd.read_summary() or {}, rd.read_estimate() or {}
     out: List[Path] = []
     name = run_dir.name
     if metrics:
@@ -147,7 +138,7 @@ def run_report(run_dir: Path) -> List[Path]:
     if estimate:
         lines += [f"- gate estimate {estimate.get('per_rank_peak_bytes', 0) / GIB:.2f} GiB per rank (peak in "
                   f"{estimate.get('peak_phase')}), measured "
-                  + ", ".join(f"{m / GIB:.2f}" for m in memory_data(estimate, summary)["measured"]) + " GiB"]
+                  + ", ".join(f"{m / GIB:.2f}" for m in measured_peaks(summary)) + " GiB"]
     lines += ["", *[f"![{p.stem}]({p.name})" for p in out]]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     return out + [run_dir / "report.md"]

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-GIB = 2**30
+from .hardware import GIB
+from .rundir import RunDir
+
 COLUMNS = ("point", "overrides", "status", "why", "estimated_peak_gib", "measured_peak_gib", "tokens_per_s",
            "final_loss", "val_metric", "val_value", "run_dir")
 
@@ -33,18 +34,17 @@ class Point:
     run_dir: str
 
 
-def _read(path: Path) -> Dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+def measured_peaks(summary: Dict[str, Any]) -> List[int]:
+    """Each rank's measured peak from summary.json: its resident set on CPU ranks, its device peak on GPUs."""
+    return [max(p.get("peak_rss_bytes", 0), (p.get("device_bytes") or {}).get("device_peak", 0))
+            for p in summary.get("peak_memory", [])]
 
 
 def point_of(num: int, overrides: Sequence[str], status: str, why: str, run_dir: str) -> Point:
     """One sweep point from its outcome and what its run dir holds."""
-    summary, estimate = _read(Path(run_dir) / "summary.json"), _read(Path(run_dir) / "estimate.json")
-    peaks = [max(p.get("peak_rss_bytes", 0), (p.get("device_bytes") or {}).get("device_peak", 0))
-             for p in summary.get("peak_memory", [])]
+    rd = RunDir(Path(run_dir))
+    summary, estimate = rd.read_summary() or {}, rd.read_estimate() or {}
+    peaks = measured_peaks(summary)
     metric = next((k for k in ("val_accuracy", "val_perplexity", "val_loss") if summary.get(k) is not None), "")
     est = estimate.get("per_rank_peak_bytes")
     return Point(num, list(overrides), status, why, round(est / GIB, 3) if est else None,
