@@ -148,7 +148,7 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     cfg, resume = resume_point(cfg, world, run_dir, say)
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
     la = cfg.launcher
-    if la.nnodes > 1 and not la.hostfile:  # started node by node: the rendezvous, checked in seconds
+    if la.node_by_node:  # the rendezvous, checked in seconds
         serves = netcheck.is_local(la.master_addr) if la.rdzv == Rendezvous.c10d else la.node_rank == 0
         problem = netcheck.port_problem(first.master_port) if serves else netcheck.master_problem(
             la.master_addr, first.master_port, la.join_timeout_s, log=say, listener=not cfg.dry_run)
@@ -160,7 +160,7 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     from .train.preflight import NODES_DIR, launcher_id
 
     here = run_dir.path / NODES_DIR / launcher_id()  # which nodes see it tells whether the run dir is shared
-    if la.nnodes > 1 and not la.hostfile:
+    if la.node_by_node:
         here.parent.mkdir(exist_ok=True)
         here.touch()
     try:
@@ -214,7 +214,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")
     say(f"command: {line}")
-    if cfg.launcher.nnodes > 1 and not cfg.launcher.hostfile:  # what each node's ranks compare (train/preflight.py);
+    if cfg.launcher.node_by_node:  # what each node's ranks compare (train/preflight.py);
         # not over pdsh: DeepSpeed forwards only some variables to the other nodes, and all must take part
         from .train import preflight
 

@@ -101,7 +101,7 @@ def render(cfg: RunConfig, plan: Plan) -> Dict[str, Any]:
         # Read by zerorun.train to build the PipelineModule; DeepSpeed keeps it as its pipeline section.
         ds["pipeline"] = {"stages": plan.pipeline_stages, "partition": cfg.parallel.partition.value,
                           "activation_checkpoint_interval": 1 if tr.activation_checkpointing else 0}
-    if cfg.launcher.nnodes > 1 and not cfg.launcher.shared_run_dir:
+    if cfg.launcher.node_local_run_dirs:
         # Each node saves to its own disk: local rank 0 writes the model states there, every rank its shard.
         ds["checkpoint"] = {"use_node_local_storage": True}
     if cfg.offload.device == OffloadDevice.nvme:

@@ -78,7 +78,7 @@ def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: d
                         "as if it were shaped like the parameters, and the 8-bit states' block scales are not.",
                         f"resume on {then} data-parallel ranks (launcher.nproc_per_node × launcher.nnodes, as saved).",
                         key="optimizer.name", value="adamw8bit")
-    if cfg.launcher.nnodes > 1 and not cfg.launcher.shared_run_dir:
+    if cfg.launcher.node_local_run_dirs:
         raise UserError(f"the checkpoint {root / tag} was saved by {then} data-parallel ranks and this run has {now}; "
                         "converting it needs every node's shards in one place, and each node holds only its own.",
                         f"copy each node's {tag} into one directory, resume there with "

@@ -227,6 +227,17 @@ class LauncherConfig:
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own
     30 s per rank cannot be changed: zerorun does not pass it the signal (README "When things go wrong")."""
 
+    @property
+    def node_by_node(self) -> bool:
+        """Several nodes, each started by its own zerorun (no hostfile): zerorun checks the rendezvous and the
+        nodes' ranks compare their facts (train/preflight.py)."""
+        return self.nnodes > 1 and not self.hostfile
+
+    @property
+    def node_local_run_dirs(self) -> bool:
+        """Several nodes, each with a run dir of its own: node-local checkpoints, metrics and summary."""
+        return self.nnodes > 1 and not self.shared_run_dir
+
 
 @dataclass
 class OptimizerConfig:

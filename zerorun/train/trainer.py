@@ -47,10 +47,9 @@ class Trainer:
         deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        la = self.cfg.launcher
         # Who writes the run dir's metrics, summary and checkpoint markers: rank 0, and with a run dir per
         # node (launcher.shared_run_dir=false) local rank 0 of every node, so each node's is complete.
-        self.writes_run_dir = self.rank == 0 or (la.nnodes > 1 and not la.shared_run_dir and self.local_rank == 0)
+        self.writes_run_dir = self.rank == 0 or (self.cfg.launcher.node_local_run_dirs and self.local_rank == 0)
         self.accel = get_accelerator()
         if self.accel.device_name() == "cuda":
             self.accel.set_device(self.local_rank)  # before the first collective: NCCL uses the current device
