@@ -98,8 +98,9 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
+    gate_world = plan_world(cfg, plan_hw)
     if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only with room to spare
-        cfg = resolve_mmap_threshold(cfg, make_plan(cfg, plan_world(cfg, plan_hw)), plan_hw, cal)
+        cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world), plan_hw, cal)
         if world.accelerator == "cpu":
             say(f"CPU ranks: mmap threshold {cfg.launcher.mmap_threshold_mib} MiB ("
                 + ("fast: the run fits with room to spare" if cfg.launcher.mmap_threshold_mib > 1 else
@@ -114,7 +115,6 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
                 f"measured, {record['estimated_bytes'] / GIB:.2f} GiB estimated; the correction "
                 f"({record['correction_bytes'] / 2**20:+.0f} MiB) applies from now on (calibration.json).")
             cal = calibration.calibration_for(cfg, hw)
-    gate_world = plan_world(cfg, plan_hw)
     if gate_world.size != world.size or plan_hw.accelerator != world.accelerator:
         say(f"memory gate plans for the declared hardware: {plan_hw.describe()}, {gate_world.size} rank(s); "
             f"this machine launches {world.size} {world.accelerator} rank(s).")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 from . import checkpoint, launcher, supervise
-from .config import OptimizerImpl, ParallelMode, RunConfig, UserError, World, data_parallel_size, make_plan
+from .config import OptimizerImpl, ParallelMode, RunConfig, UserError, World, make_plan
 from .config.rules import mmap_threshold_bytes
 from .rundir import RunDir
 
@@ -61,7 +61,8 @@ def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: d
     loads as is; ZeRO ≥ 1 shards it, so it is converted to DeepSpeed's universal format first (once)."""
     saved = checkpoint.marker(root, tag)
     family = lambda impl: "adamw" if impl in ("fused_adam", "cpu_adam", "torch_adamw") else impl  # noqa: E731
-    was, now_opt = saved.get("world", {}).get("optimizer"), make_plan(cfg, world).optimizer.value
+    plan = make_plan(cfg, world)
+    was, now_opt = saved.get("world", {}).get("optimizer"), plan.optimizer.value
     if was and family(was) != family(now_opt):
         name = {"bnb_adamw8bit": "adamw8bit", "torch_sgd": "sgd"}.get(was, "adamw")
         raise UserError(f"the checkpoint {root / tag} holds {family(was)} optimizer states and this run uses "
@@ -69,7 +70,7 @@ def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: d
                         f"resume with the optimizer it was saved with (optimizer={name}), or drop trainer.resume "
                         "to start over.", key="optimizer.name", value=cfg.optimizer.name.value)
     then = saved.get("world", {}).get("data_parallel")
-    now = data_parallel_size(cfg, world)
+    now = plan.data_parallel_size
     if not then or then == now:
         return resume
     if was == OptimizerImpl.bnb_adamw8bit.value and saved.get("zero_stage", 0):
@@ -89,7 +90,7 @@ def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: d
                         "pipeline checkpoints resume only on the same layout.",
                         f"launcher.nproc_per_node={saved.get('world', {}).get('ranks', then)} (as saved)",
                         key="launcher.nproc_per_node", value=world.nproc_per_node)
-    batch_was, batch_now = saved.get("world", {}).get("global_batch"), make_plan(cfg, world).global_batch_size
+    batch_was, batch_now = saved.get("world", {}).get("global_batch"), plan.global_batch_size
     if batch_was and batch_was != batch_now:
         say(f"warning: the global batch was {batch_was} and is now {batch_now}: "
             f"trainer.global_batch_size={batch_was} keeps the optimization (and the data order) the same.")
