@@ -1,8 +1,9 @@
 """§7 The gate and autofit: refuse what will not fit, or apply the fastest config that does.
 
-docs/memory.md §7. Autofit walks the layouts of the rule table (zerorun.config.rules) from the
-cheapest change to the most expensive and takes the first that fits; the estimate table shows the
-same layouts side by side.
+docs/memory.md §7. Autofit estimates every config it may choose (micro-batch, checkpointing, buckets, the
+layouts of the rule table, 8-bit states, the mmap threshold) and of those that fit applies the one with the
+lowest predicted step time (zerorun.speed); the estimate table shows the layouts side by side. The runtime
+OOM repair instead walks a fixed ladder, one rung at a time.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMod
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded)
 from ..config.rules import FAST_MMAP_THRESHOLD_MIB
 from ..hardware import Hardware
+from ..speed import SpeedProfile, StepTime, predict_step_time
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
 
 
@@ -43,6 +45,8 @@ class GateDecision:
     warning: Optional[str] = None
     suggestion: Optional[List[str]] = None
     """Hydra overrides of a config that fits (strict/warn refusals), if one exists."""
+    step: Optional[StepTime] = None
+    """Autofit: the predicted step time of the config it chose (zerorun.speed)."""
 
     @property
     def overrides(self) -> List[str]:
@@ -194,18 +198,45 @@ def _speed_rank(k: _Knobs) -> Tuple:
     return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
 
 
-def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *,
-            cal: Calibration = DEFAULT_CALIBRATION) -> Optional[Tuple[RunConfig, Estimate, List[Change]]]:
-    """The fastest config that fits (see ``_candidates`` for the order), its estimate and the changes;
-    None if nothing zerorun can change fits. ``global_batch_size`` stays fixed (pinned to micro × ranks
-    when it was unset)."""
+SPEED_TIE = 0.03
+"""Predicted step times within 3% of the fastest count as a tie (the model resolves no finer), and the tie
+goes to the earlier rung of the ladder: the smaller change (no offload, the user's stage, no recomputation)."""
+
+
+def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION,
+            profile: Optional[SpeedProfile] = None) -> Optional["Fit"]:
+    """The fastest config that fits: every candidate (``_candidates``) is estimated, and of those that fit the
+    one with the lowest predicted step time (zerorun.speed) wins, ties (SPEED_TIE) to the earlier rung of the
+    ladder. None if nothing zerorun can change fits. ``global_batch_size`` stays fixed (pinned to micro × ranks
+    when it was unset), so step times compare the same work."""
     pinned = plan.global_batch_size
+    fits: List[Fit] = []
     for knobs in _candidates(cfg, plan.world, pinned):
         new, changes = _apply(cfg, plan.world, knobs, pinned)
-        est = estimate(new, make_plan(new, plan.world), hw, cal=cal)
+        new_plan = make_plan(new, plan.world)
+        est = estimate(new, new_plan, hw, cal=cal)
         if est.fits:
-            return new, est, changes
-    return None
+            fits.append(Fit(new, est, changes, predict_step_time(new, new_plan, profile)))
+    if not fits:
+        return None
+    fastest = min(f.step.seconds for f in fits)
+    chosen = next(f for f in fits if f.step.seconds <= fastest * (1 + SPEED_TIE))
+    return dataclasses.replace(chosen, fitting=len(fits))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Autofit's choice: the config, its estimate, the changes from the user's, its predicted step time and
+    how many candidate configs fit."""
+
+    cfg: RunConfig
+    estimate: Estimate
+    changes: List[Change]
+    step: StepTime
+    fitting: int = 1
+
+    def __iter__(self):  # (cfg, estimate, changes), as callers unpack it
+        return iter((self.cfg, self.estimate, self.changes))
 
 
 def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, List[Change]]]:
@@ -246,7 +277,7 @@ def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Op
         return None
     found = autofit(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True)),
                     plan, hw, cal=cal)
-    return [c.override() for c in found[2]] if found else None
+    return [c.override() for c in found.changes] if found else None
 
 
 FAST_MMAP_HEADROOM = 0.15
@@ -340,8 +371,10 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     if mode == GateMode.autofit:
         why = "; ".join(f"{c.override()} ({c.why})" for c in changes)
         msg = (f"{shortfall} autofit: {' '.join(overrides)} → {gib(new_est.per_rank_peak_bytes)} of "
-               f"{gib(new_est.device_capacity_bytes)}. Why: {why}.")
-        return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides)
+               f"{gib(new_est.device_capacity_bytes)}, predicted {found.step.seconds:.3g} s/step, the fastest of "
+               f"{found.fitting} config(s) that fit. Why: {why}.")
+        return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides,
+                            step=found.step)
     msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}): {' '.join(overrides)} — "
            "add these overrides, or gate=autofit to apply them, or gate=warn to launch anyway.")
     alt = _with_8bit(cfg, plan, hw, cal)

@@ -1,0 +1,212 @@
+"""Predicted time of one optimizer step: what autofit ranks the configs that fit by.
+
+Pure arithmetic on the config, like the memory estimate. Seconds per optimizer step on one rank (the ranks
+run in lock-step, so one rank's time is the step's):
+
+  compute      6·N·tokens + attention 12·L·s·h·tokens FLOPs at the profile's matmul rate × its efficiency,
+               plus the activation traffic of each micro-batch (what it saves for backward) at memory bandwidth
+  recompute    activation checkpointing runs every layer's forward again (1/3 of the layers' compute)
+  overhead     per micro-batch: Python, autograd hooks, kernel launches, per layer
+  grad_comm    gradient reduction: ZeRO-0/1 once per step (all-reduce), ZeRO-2/3 every micro-batch; bytes at
+               the collective bandwidth plus one latency per bucket (small buckets pay many latencies)
+  param_comm   ZeRO-1/2: the updated partitions all-gathered once per step; ZeRO-3: gathered for every
+               forward and backward (and recomputation) of every micro-batch
+  offload      gradients to the host and parameters back over the host link each step; parameter offload
+               fetches the partition for every pass; NVMe: the optimizer states read and written each step
+  optimizer    the optimizer's step over the rank's partition at its implementation's measured rate
+  page_faults  CPU ranks: activations at or above the mmap threshold are page-faulted in anew every micro-batch
+  bubble       pipeline: (stages - 1) idle micro-batch slots per step (1F1B)
+
+Communication is not assumed to overlap compute (it partly does on GPUs with overlap_comm): the ranking
+only needs the terms in proportion. docs/speed.md has the derivation and the ranking benchmark.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict
+
+from .config import Dtype, OffloadDevice, Plan, RunConfig, TaskName
+from .config.rules import OptimizerImpl, mmap_threshold_bytes
+from .memory.activations import DTYPE_BYTES, activations
+from .memory.params import param_breakdown
+
+
+@dataclass(frozen=True)
+class SpeedProfile:
+    """What one rank's hardware does per second. CPU: measured on the development machine
+    (benchmarks/speed_terms.py; efficiency and bandwidth fitted to end-to-end runs); CUDA: public figures
+    of an A100/H100-class node (no GPU measured yet)."""
+
+    name: str
+    matmul_flops: Dict[str, float]
+    """Dense matmul FLOP/s of one rank by dtype."""
+    efficiency: float
+    """Fraction of that a transformer's matmuls reach in training (shapes, launch gaps)."""
+    activation_bytes_per_s: float
+    """Memory traffic of the elementwise ops, per byte of activations a micro-batch saves."""
+    half_speed_tokens: int
+    """Tokens per micro-batch at which the device reaches half its efficiency (small batches idle a GPU)."""
+    overhead_per_layer_s: float
+    """Per micro-batch and layer: Python, hooks, launches."""
+    collective_latency_s: float
+    collective_bytes_per_s: float
+    """Bus bandwidth of a collective within a node."""
+    internode_bytes_per_s: float
+    reduce_scatter_factor: float
+    """Bytes moved per byte of a reduce-scatter, relative to an all-gather: 1 with NCCL; 2 on gloo, which has
+    no reduce-scatter (DeepSpeed all-reduces instead)."""
+    host_link_bytes_per_s: float
+    optimizer_params_per_s: Dict[OptimizerImpl, float]
+    first_touch_bytes_per_s: float
+    """CPU ranks: page-faulting freed memory in again (0: not a CPU profile)."""
+    nvme_bytes_per_s: float
+
+
+CPU_RANK = SpeedProfile(
+    # benchmarks/speed_terms.py on the 2-core development machine (1 thread per rank): matmul fp32 96.6,
+    # bf16 456 GFLOP/s; gloo all-reduce 179 µs + 1.43 GiB/s; AdamW 573, DeepSpeedCPUAdam 1,681, bitsandbytes
+    # 8-bit 52, SGD 2,527 M params/s; first touch 2.39 GiB/s. Efficiency and activation bandwidth: fitted to
+    # benchmarks/throughput.py (tiny GPT-2 and GPT-2 4x256, ZeRO-2, 2 ranks).
+    name="cpu",
+    matmul_flops={"fp32": 96.6e9, "bf16": 456e9, "fp16": 456e9},
+    efficiency=1.0,
+    activation_bytes_per_s=1.0e9,
+    half_speed_tokens=0,
+    overhead_per_layer_s=2e-3,
+    collective_latency_s=179e-6,
+    collective_bytes_per_s=1.43 * 2**30,
+    internode_bytes_per_s=1.43 * 2**30,
+    reduce_scatter_factor=2.0,
+    host_link_bytes_per_s=8e9,
+    optimizer_params_per_s={OptimizerImpl.torch_adamw: 573e6, OptimizerImpl.cpu_adam: 1681e6,
+                            OptimizerImpl.bnb_adamw8bit: 52e6, OptimizerImpl.torch_sgd: 2527e6,
+                            OptimizerImpl.fused_adam: 573e6},
+    first_touch_bytes_per_s=2.39 * 2**30,
+    nvme_bytes_per_s=1.5e9,
+)
+
+CUDA_GPU = SpeedProfile(
+    # Public figures, A100/H100-class: dense bf16 ~312-989 TFLOP/s (fp32 without TF32 ~20-60), NVLink
+    # all-reduce bus bandwidth ~150-370 GB/s, 100-400 Gb/s between nodes, pinned PCIe ~25 GB/s, DeepSpeed's
+    # CPU Adam ~1 G params/s per rank (its threads), fused Adam memory-bound at ~32 B per parameter.
+    name="cuda",
+    matmul_flops={"fp32": 40e12, "bf16": 400e12, "fp16": 400e12},
+    efficiency=0.5,
+    activation_bytes_per_s=1.0e12,
+    half_speed_tokens=256,
+    overhead_per_layer_s=0.2e-3,
+    collective_latency_s=30e-6,
+    collective_bytes_per_s=150e9,
+    internode_bytes_per_s=12.5e9,
+    reduce_scatter_factor=1.0,
+    host_link_bytes_per_s=20e9,
+    optimizer_params_per_s={OptimizerImpl.fused_adam: 60e9, OptimizerImpl.cpu_adam: 1e9,
+                            OptimizerImpl.bnb_adamw8bit: 60e9, OptimizerImpl.torch_sgd: 100e9,
+                            OptimizerImpl.torch_adamw: 20e9},
+    first_touch_bytes_per_s=0.0,
+    nvme_bytes_per_s=3e9,
+)
+
+
+def profile_for(accelerator: str) -> SpeedProfile:
+    return CPU_RANK if accelerator == "cpu" else CUDA_GPU
+
+
+@dataclass(frozen=True)
+class StepTime:
+    terms: "OrderedDict[str, float]" = field(default_factory=OrderedDict)
+    tokens_per_step: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> Dict[str, float]:
+        return {"step_s": round(self.seconds, 6), "tokens_per_s": round(self.tokens_per_s, 1),
+                "terms_s": {k: round(v, 6) for k, v in self.terms.items()}}
+
+
+def _collective(bytes_: float, bucket_bytes: float, calls_min: int, bw: float, latency: float) -> float:
+    """One sweep of a collective over ``bytes_`` in buckets: bandwidth time plus one latency per call."""
+    calls = max(calls_min, math.ceil(bytes_ / max(1.0, bucket_bytes)))
+    return bytes_ / bw + calls * latency
+
+
+def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) -> StepTime:
+    """Seconds of one optimizer step of ``cfg`` as ``plan`` lays it out (see the module docstring)."""
+    prof = profile or profile_for(plan.world.accelerator)
+    m, dtype = cfg.model, Dtype(cfg.precision.dtype)
+    b = DTYPE_BYTES[dtype]
+    bd = param_breakdown(m, plan.task, cfg.task.num_labels)
+    stages = plan.pipeline_stages
+    micro, accum, seq = plan.micro_batch_size, plan.grad_accum_steps, plan.seq_len
+    tokens = micro * seq  # per micro-batch on this rank
+    L, h = bd.num_layers, m.hidden_size
+    lm_head = bd.tied_embedding if plan.task == TaskName.causal_lm else 0
+    layer_flops = 6 * bd.per_layer * tokens + 12 * seq * h * tokens  # forward + backward of one layer
+    flops = (L * layer_flops + 6 * (bd.head + lm_head) * tokens) / stages
+    rate = prof.matmul_flops[dtype.value] * prof.efficiency
+    if prof.half_speed_tokens:
+        rate *= tokens / (tokens + prof.half_speed_tokens)
+    threshold = mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)
+    act = activations(m, micro, seq, dtype, plan.world.accelerator, cfg.trainer.activation_checkpointing,
+                      task=plan.task, num_labels=cfg.task.num_labels, mmap_threshold=threshold)
+    full = activations(m, micro, seq, dtype, plan.world.accelerator, False, task=plan.task,
+                       num_labels=cfg.task.num_labels, mmap_threshold=threshold)
+    traffic = (full.outside_layers + L * full.per_layer + full.logits_loss) / stages
+    per_micro: "OrderedDict[str, float]" = OrderedDict()
+    per_micro["compute"] = flops / rate + traffic / prof.activation_bytes_per_s
+    per_micro["recompute"] = ((L * layer_flops / 3) / rate + L * full.per_layer / 2 / prof.activation_bytes_per_s) \
+        / stages if cfg.trainer.activation_checkpointing else 0.0
+    per_micro["overhead"] = prof.overhead_per_layer_s * (L / stages + 2)
+    if prof.first_touch_bytes_per_s and plan.world.accelerator == "cpu":
+        faulted = max(0, act.saved + act.working_set + act.logits_loss - act.heap_churn)
+        per_micro["page_faults"] = faulted / prof.first_touch_bytes_per_s
+    terms: "OrderedDict[str, float]" = OrderedDict((k, v * accum) for k, v in per_micro.items())
+    if plan.pipeline:
+        slot = sum(per_micro.values())
+        terms["bubble"] = (stages - 1) * slot
+        # Each micro-batch's boundary activations go to the next stage and its gradient comes back.
+        terms["pipe_p2p"] = accum * 2 * _collective(tokens * h * b, tokens * h * b, 1, prof.collective_bytes_per_s,
+                                                    prof.collective_latency_s)
+    terms.update(_communication(cfg, plan, prof, bd.total // stages, b, accum, L // stages))
+    return StepTime(terms, tokens_per_step=plan.tokens_per_step)
+
+
+def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, n: int, b: int, accum: int, layers: int
+                   ) -> "OrderedDict[str, float]":
+    """ZeRO's collectives, offload transfers and the optimizer step for ``n`` parameters on a rank."""
+    out: "OrderedDict[str, float]" = OrderedDict()
+    dp, stage = plan.data_parallel_size, cfg.zero.stage
+    bw = prof.internode_bytes_per_s if plan.world.nnodes > 1 else prof.collective_bytes_per_s
+    lat, bk = prof.collective_latency_s, plan.buckets
+    share = (dp - 1) / dp
+    passes = 3 if cfg.trainer.activation_checkpointing else 2  # forward, backward (+ recomputation)
+    if dp > 1:
+        reduce = _collective(share * n * b * prof.reduce_scatter_factor, bk.reduce_bucket_size * b, 1, bw, lat)
+        if stage <= 1:  # one all-reduce of the accumulated gradients per step
+            out["grad_comm"] = _collective(2 * share * n * b, bk.reduce_bucket_size * b, 1, bw, lat)
+        else:  # ZeRO-2/3 reduce in backward, every micro-batch
+            out["grad_comm"] = accum * reduce
+        if stage in (1, 2):
+            out["param_comm"] = _collective(share * n * b, bk.allgather_bucket_size * b, 1, bw, lat)
+        elif stage == 3:
+            gathered = n - min(n, cfg.model.hidden_size * 10 * layers)  # persistence threshold keeps small ones
+            per_pass = _collective(share * gathered * b, bk.stage3_prefetch_bucket_size * b, 4 * layers, bw, lat)
+            out["param_comm"] = accum * passes * per_pass
+    part = n // dp if stage >= 1 else n
+    if plan.offload_optimizer:
+        link = prof.host_link_bytes_per_s
+        out["offload"] = (part * 4 + part * b) / link  # fp32 gradients out, updated 16/32-bit parameters back
+        if plan.offload_params:
+            out["offload"] += accum * passes * part * b / link
+        if OffloadDevice(cfg.offload.device) == OffloadDevice.nvme:
+            out["offload"] += 2 * part * 12 / prof.nvme_bytes_per_s  # fp32 master + Adam moments, read and write
+    out["optimizer"] = part / prof.optimizer_params_per_s[plan.optimizer]
+    return out
