@@ -43,18 +43,19 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
         "",
         f"  {'ZeRO / offload':32s} {'per-' + unit + ' peak':>14s}  {'peak phase':14s} {'fits ' + unit:>9s}  "
-        f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}  {'adamw8bit peak':>14s}",
+        f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}  {'adamw8bit peak':>14s}  {'pred. s/step':>12s}",
     ]
     host_known = hw.host_mem_bytes > 0
-    for label, e, e8 in rows:
+    for label, e, e8, *step in rows:
+        pred = f"{step[0].seconds:.3g}" if step and step[0] is not None else "-"
         mark = "*" if label == chosen_label else " "
         nvme = _gib(e.nvme_bytes) if e.nvme_bytes else "-"
         fits_host = ("yes" if e.fits_host else "NO") if host_known else "?"
         eight = (_gib(e8.per_rank_peak_bytes) + ("" if e8.fits else " NO")) if e8 else "-"
         lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s}  {e.peak_phase:14s} "
                      f"{'yes' if e.fits_device else 'NO':>9s}  {_gib(e.host_bytes_per_node):>13s} {fits_host:>9s}  "
-                     f"{nvme:>10s}  {eight:>14s}")
-    chosen = next((e for label, e, _ in rows if label == chosen_label), None)
+                     f"{nvme:>10s}  {eight:>14s}  {pred:>12s}")
+    chosen = next((row[1] for row in rows if row[0] == chosen_label), None)
     if chosen is not None and chosen.stages:
         lines.append(f"pipeline stages of the composed config ({len(chosen.stages)}; the peak above is the worst):")
         for st in chosen.stages:
@@ -74,7 +75,9 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      f"+ tensors + heap retention + {_gib(cal.cpu_overhead_bytes)} overhead (docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config. adamw8bit peak: the same row with "
-                 "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload).")
+                 "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload). pred. s/step: "
+                 f"the step-time model autofit ranks by ({'measured on a CPU machine' if hw.accelerator == 'cpu' else 'GPU priors'}"
+                 "; zerorun/speed.py).")
     if cfg.hardware.host_mem_gib is None and cfg.hardware.gpus_per_node:
         lines.append(f"host RAM {_gib(hw.host_mem_bytes)} per node is this machine's; declare hardware.host_mem_gib "
                      "to plan for another.")
@@ -125,7 +128,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     plan = make_plan(cfg, world)
     table = M.table_configs(cfg)
-    rows = [(label, M.estimate(c, make_plan(c, world), hw), _eight_bit(M, c, world, hw)) for label, c in table]
+    from .speed import predict_step_time
+
+    rows = [(label, M.estimate(c, make_plan(c, world), hw), _eight_bit(M, c, world, hw),
+             predict_step_time(c, make_plan(c, world))) for label, c in table]
     chosen = next((label for label, c in table if (c.zero.stage, c.offload.device, make_plan(c, world).offload_params)
                    == (cfg.zero.stage, cfg.offload.device, plan.offload_params)), None)
     decision = M.gate(cfg, plan, hw, GateMode.strict)
@@ -136,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .report import draw_estimate_table
 
         unit = "GPU" if hw.accelerator == "cuda" else "rank"
-        path = draw_estimate_table([(label, e) for label, e, _ in rows], Path(plot),
+        path = draw_estimate_table([(row[0], row[1]) for row in rows], Path(plot),
                                    f"{cfg.model.name}: per-{unit} peak by ZeRO stage × offload (capacity in red)")
         print(f"picture: {path}")
     if not decision.ok and decision.suggestion:

@@ -166,7 +166,7 @@ def detect() -> Hardware:
     names: List[str] = []
     if os.environ.get("DS_ACCELERATOR", "") != "cpu":
         smi = _nvidia_smi_memory()
-        if smi is None:
+        if smi is None and _nvidia_device_nodes():  # no nvidia-smi in this container: ask CUDA (imports torch)
             try:
                 import torch
 
@@ -196,8 +196,32 @@ def _nvidia_smi_name() -> str:
         return ""
 
 
+def _nvidia_device_nodes() -> bool:
+    """Whether the kernel shows an NVIDIA GPU (/dev/nvidia0, ...): without one, importing torch (~1 s of every
+    launch) to ask CUDA cannot find a GPU."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[set]:
+    """The x86 CPU's feature flags, or None (not x86, or unreadable)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 def _cpu_fp16_supported() -> bool:
-    """The same test DeepSpeed's CPU accelerator makes before it accepts fp16."""
+    """The same test DeepSpeed's CPU accelerator makes before it accepts fp16 (torch's mkldnn check: on x86,
+    AVX512-FP16 or AMX-FP16), read from the CPU flags without importing torch where it can be."""
+    flags = _cpu_flags()
+    if flags is not None:
+        return bool(flags & {"avx512_fp16", "amx_fp16"})
     try:
         import torch
 

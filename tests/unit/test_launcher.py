@@ -78,3 +78,32 @@ def test_cpu_shm_segments_of_one_run_are_released(tmp_path):
     assert not any(f.exists() for f in mine) and other.exists()
     assert release_cpu_shm("127.0.0.1", 29511, shm_dir=str(tmp_path)) == 0
     assert str(os.getuid()) in cpu_shm_name("h", 1)
+
+
+def test_the_launcher_reads_this_machine_without_importing_torch_where_it_can(tmp_path, monkeypatch):
+    """detect() answers fp16 support from the CPU flags as torch's own mkldnn check does, and on a machine
+    with no NVIDIA device node it does not import torch (~1 s of every launch) to look for CUDA."""
+    import builtins
+
+    import torch
+
+    from zerorun import hardware
+
+    if hardware._cpu_flags() is not None:
+        assert hardware._cpu_fp16_supported() == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags : fpu sse avx512f avx512_fp16\n")
+    assert hardware._cpu_flags(str(info)) == {"fpu", "sse", "avx512f", "avx512_fp16"}
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        assert name != "torch", "detect() imported torch"
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(hardware, "_nvidia_smi_memory", lambda: None)
+    monkeypatch.setattr(hardware, "_nvidia_device_nodes", lambda: False)
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu"})
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    hw = hardware.detect()
+    assert hw.accelerator == "cpu" and hw.fp16_ok is False

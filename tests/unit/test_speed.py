@@ -1,0 +1,118 @@
+"""The step-time model (zerorun/speed.py) and the autofit that ranks by it.
+
+The model's figures are checked against real runs by benchmarks/autofit_rank.py (docs/speed.md); here: each
+term moves the way its cause says, and autofit takes the fastest predicted config that fits.
+"""
+import dataclasses
+
+import pytest
+
+from helpers import CPU2, GPU8, composed, planned
+from zerorun.config import World, make_plan, plan_world
+from zerorun.hardware import resolve_hardware
+from zerorun.memory import estimate
+from zerorun.memory.gate import SPEED_TIE, _apply, _candidates, autofit
+from zerorun.speed import CPU_RANK, CUDA_GPU, predict_step_time
+
+GPT2 = ("+model=gpt2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=4")
+
+
+def terms(*overrides, world=GPU8):
+    cfg, plan = planned(*overrides, world=world)
+    return predict_step_time(cfg, plan)
+
+
+def test_each_term_follows_its_cause():
+    base = terms(*GPT2, "zero=stage2")
+    assert base.terms["compute"] > 0 and base.terms["recompute"] == 0 and base.tokens_per_s > 0
+    assert base.tokens_per_step == 4 * 8 * 1024
+    ckpt = terms(*GPT2, "zero=stage2", "trainer.activation_checkpointing=true")
+    # Recomputation is one more forward of the layers: a quarter to a third of the compute.
+    assert 0.2 * base.terms["compute"] < ckpt.terms["recompute"] < 0.34 * base.terms["compute"]
+    z3 = terms(*GPT2, "zero=stage3")
+    assert z3.terms["param_comm"] > 2 * base.terms["param_comm"]  # gathered every forward and backward
+    small = terms(*GPT2, "zero=stage2", "zero.reduce_bucket_size=10000")
+    assert small.terms["grad_comm"] > 2 * base.terms["grad_comm"]  # one latency per bucket
+    one = terms(*GPT2, "zero=stage2", world=World(1, 1, "cuda"))
+    assert "grad_comm" not in one.terms and "param_comm" not in one.terms
+    off = terms(*GPT2, "zero=stage2", "offload=cpu")
+    assert off.terms["offload"] > 0 and off.terms["optimizer"] > 10 * base.terms["optimizer"]  # CPU Adam
+    nodes = terms(*GPT2, "zero=stage2", world=World(4, 2, "cuda"))
+    assert nodes.terms["grad_comm"] > 2 * base.terms["grad_comm"]  # between nodes, not NVLink
+
+
+def test_smaller_micro_batches_cost_per_micro_batch_overhead_and_efficiency():
+    big = terms(*GPT2, "trainer.global_batch_size=64")
+    small = terms(*GPT2, "trainer.global_batch_size=64", "trainer.micro_batch_size=1")
+    assert small.tokens_per_step == big.tokens_per_step
+    assert small.terms["overhead"] == pytest.approx(4 * big.terms["overhead"])
+    assert small.seconds > big.seconds
+
+
+def test_cpu_ranks_pay_page_faults_at_a_low_mmap_threshold():
+    fast = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=32", world=CPU2)
+    slow = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=1", world=CPU2)
+    assert slow.terms["page_faults"] > fast.terms.get("page_faults", 0)
+    assert "page_faults" not in terms(*GPT2).terms  # GPU ranks: their activations are not host pages
+
+
+def test_a_pipeline_pays_its_bubble():
+    cfg, plan = planned("+model=gpt2", "parallel=pipeline", "parallel.stages=2", "parallel.micro_batches=4",
+                        "trainer.micro_batch_size=2", world=World(2, 1, "cuda"))
+    st = predict_step_time(cfg, plan)
+    slot = sum(v for k, v in st.terms.items() if k in ("compute", "overhead")) / 4
+    assert st.terms["bubble"] == pytest.approx(slot, rel=1e-6)  # (stages - 1) idle micro-batch slots
+
+
+def test_profiles_are_picked_by_accelerator():
+    cfg, plan = planned("+model=tiny-gpt2", world=CPU2)
+    assert predict_step_time(cfg, plan).seconds == predict_step_time(cfg, plan, CPU_RANK).seconds
+    assert predict_step_time(cfg, plan, CUDA_GPU).seconds < predict_step_time(cfg, plan, CPU_RANK).seconds
+
+
+@pytest.mark.parametrize("overrides", [
+    ("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
+     "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=12", "hardware.host_mem_gib=256"),
+    ("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=16",
+     "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=3", "hardware.host_mem_gib=256"),
+    ("+model=tiny-gpt2", "trainer.micro_batch_size=16", "data.seq_len=256", "launcher.mmap_threshold_mib=32",
+     "hardware.gpus_per_node=0", "hardware.host_mem_gib=1.5", "launcher.nproc_per_node=2"),
+])
+def test_autofit_takes_the_fastest_predicted_config_that_fits(overrides):
+    cfg = composed(*overrides)
+    hw = resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    plan = make_plan(cfg, world)
+    fit = autofit(cfg, plan, hw)
+    assert fit is not None and fit.estimate.fits
+    times = []
+    for k in _candidates(cfg, world, plan.global_batch_size):  # brute force, independently of autofit's loop
+        new, _ = _apply(cfg, world, k, plan.global_batch_size)
+        new_plan = make_plan(new, world)
+        if estimate(new, new_plan, hw).fits:
+            times.append(predict_step_time(new, new_plan).seconds)
+    assert fit.fitting == len(times) > 1
+    assert fit.step.seconds <= min(times) * (1 + SPEED_TIE)
+
+
+def test_autofit_raises_the_zero_stage_to_keep_a_larger_micro_batch():
+    # 8 × 12 GiB for GPT-2 large: the fixed ladder kept ZeRO-1 at micro-batch 1 (a higher stage was its later
+    # rung); a higher stage frees enough memory for 8× the micro-batch, and 8 ranks make its collectives cheap.
+    cfg = composed("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
+                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=12", "hardware.host_mem_gib=256", "gate=autofit")
+    hw = resolve_hardware(cfg.hardware, None)
+    world = plan_world(cfg, hw)
+    plan = make_plan(cfg, world)
+    fit = autofit(cfg, plan, hw)
+    assert fit.cfg.zero.stage >= 2 and fit.cfg.trainer.micro_batch_size > 1, fit.changes
+    ladder_first = next(_apply(cfg, world, k, plan.global_batch_size)[0]
+                        for k in _candidates(cfg, world, plan.global_batch_size)
+                        if estimate(_apply(cfg, world, k, plan.global_batch_size)[0],
+                                    make_plan(_apply(cfg, world, k, plan.global_batch_size)[0], world), hw).fits)
+    assert ladder_first.trainer.micro_batch_size == 1
+    assert fit.step.seconds < 0.95 * predict_step_time(ladder_first, make_plan(ladder_first, world)).seconds
+    from zerorun.memory import gate
+
+    d = gate(cfg, plan, hw)
+    assert d.ok and d.step is not None and "predicted" in d.message and "the fastest of" in d.message
+    assert dataclasses.replace(d.cfg) == fit.cfg
