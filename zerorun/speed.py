@@ -14,7 +14,8 @@ run in lock-step, so one rank's time is the step's):
   offload      gradients to the host and parameters back over the host link each step; parameter offload
                fetches the partition for every pass; NVMe: the optimizer states read and written each step
   optimizer    the optimizer's step over the rank's partition at its implementation's measured rate
-  page_faults  CPU ranks: activations at or above the mmap threshold are page-faulted in anew every micro-batch
+  page_faults  CPU ranks: activations and weight gradients at or above the mmap threshold are page-faulted in
+               anew every micro-batch
   bubble       pipeline: (stages - 1) idle micro-batch slots per step (1F1B)
 
 Communication is not assumed to overlap compute (it partly does on GPUs with overlap_comm): the ranking
@@ -30,7 +31,8 @@ from typing import Dict
 from .config import Dtype, OffloadDevice, Plan, RunConfig, TaskName
 from .config.rules import OptimizerImpl, mmap_threshold_bytes
 from .memory.activations import DTYPE_BYTES, activations
-from .memory.params import param_breakdown
+from .memory.buffers import ZERO0_ALLREDUCE_ELEMENTS
+from .memory.params import ParamBreakdown, param_breakdown
 
 
 @dataclass(frozen=True)
@@ -65,19 +67,21 @@ class SpeedProfile:
 
 
 CPU_RANK = SpeedProfile(
-    # benchmarks/speed_terms.py on the 2-core development machine (1 thread per rank): matmul fp32 96.6,
-    # bf16 456 GFLOP/s; gloo all-reduce 179 µs + 1.43 GiB/s; AdamW 573, DeepSpeedCPUAdam 1,681, bitsandbytes
-    # 8-bit 52, SGD 2,527 M params/s; first touch 2.39 GiB/s. Efficiency and activation bandwidth: fitted to
-    # benchmarks/throughput.py (tiny GPT-2 and GPT-2 4x256, ZeRO-2, 2 ranks).
+    # benchmarks/speed_terms.py on the 2-core development machine (1 thread per rank): matmul fp32 96.6, bf16
+    # 456 GFLOP/s; AdamW 573, DeepSpeedCPUAdam 1,681, bitsandbytes 8-bit 52, SGD 2,527 M params/s; first touch
+    # 2.39 GiB/s; raw gloo all-reduce 179 µs + 1.43 GiB/s. Inside DeepSpeed a bucket costs more than the raw
+    # collective (its hooks, copies and casts in Python): the per-call latency (2 ms), collective bandwidth
+    # (0.7 GiB/s), matmul efficiency and activation bandwidth are fitted to 15 end-to-end runs of
+    # benchmarks/autofit_rank.py (three GPT-2 shapes, ZeRO 0-3, offload, checkpointing, mmap threshold), docs/speed.md.
     name="cpu",
     matmul_flops={"fp32": 96.6e9, "bf16": 456e9, "fp16": 456e9},
     efficiency=1.0,
     activation_bytes_per_s=1.0e9,
     half_speed_tokens=0,
     overhead_per_layer_s=2e-3,
-    collective_latency_s=179e-6,
-    collective_bytes_per_s=1.43 * 2**30,
-    internode_bytes_per_s=1.43 * 2**30,
+    collective_latency_s=2e-3,
+    collective_bytes_per_s=0.7 * 2**30,
+    internode_bytes_per_s=0.7 * 2**30,
     reduce_scatter_factor=2.0,
     host_link_bytes_per_s=8e9,
     optimizer_params_per_s={OptimizerImpl.torch_adamw: 573e6, OptimizerImpl.cpu_adam: 1681e6,
@@ -132,10 +136,18 @@ class StepTime:
                 "terms_s": {k: round(v, 6) for k, v in self.terms.items()}}
 
 
-def _collective(bytes_: float, bucket_bytes: float, calls_min: int, bw: float, latency: float) -> float:
-    """One sweep of a collective over ``bytes_`` in buckets: bandwidth time plus one latency per call."""
-    calls = max(calls_min, math.ceil(bytes_ / max(1.0, bucket_bytes)))
-    return bytes_ / bw + calls * latency
+def _collective(bytes_: float, calls: int, bw: float, latency: float) -> float:
+    """One sweep of a collective: bandwidth time plus one latency per call."""
+    return bytes_ / bw + max(1, calls) * latency
+
+
+def reduce_calls(bd: ParamBreakdown, bucket: int, stages: int = 1) -> int:
+    """Collectives of one gradient reduction in buckets of ``bucket`` elements: gradients are packed into a
+    bucket until it is full, and one larger than the bucket goes alone (stage_1_and_2.py
+    ``extra_large_param_to_reduce``), so GPT-2's or BERT's word embedding is one call, not V·h / bucket."""
+    tensors = [*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors]
+    small = sum(t for t in tensors if t <= bucket)
+    return max(1, (math.ceil(small / max(1, bucket)) + sum(1 for t in tensors if t > bucket)) // stages)
 
 
 def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) -> StepTime:
@@ -166,40 +178,51 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
         / stages if cfg.trainer.activation_checkpointing else 0.0
     per_micro["overhead"] = prof.overhead_per_layer_s * (L / stages + 2)
     if prof.first_touch_bytes_per_s and plan.world.accelerator == "cpu":
+        # Activations above the threshold, and every weight gradient above it: autograd makes each micro-batch's
+        # gradient anew before adding it to .grad or copying it into a bucket.
         faulted = max(0, act.saved + act.working_set + act.logits_loss - act.heap_churn)
+        grad_bytes = [t * b for t in (*bd.embedding_tensors, *bd.layer_tensors * L, *bd.head_tensors)]
+        faulted += sum(g for g in grad_bytes if g >= threshold) / stages
         per_micro["page_faults"] = faulted / prof.first_touch_bytes_per_s
     terms: "OrderedDict[str, float]" = OrderedDict((k, v * accum) for k, v in per_micro.items())
     if plan.pipeline:
         slot = sum(per_micro.values())
         terms["bubble"] = (stages - 1) * slot
         # Each micro-batch's boundary activations go to the next stage and its gradient comes back.
-        terms["pipe_p2p"] = accum * 2 * _collective(tokens * h * b, tokens * h * b, 1, prof.collective_bytes_per_s,
+        terms["pipe_p2p"] = accum * 2 * _collective(tokens * h * b, 1, prof.collective_bytes_per_s,
                                                     prof.collective_latency_s)
-    terms.update(_communication(cfg, plan, prof, bd.total // stages, b, accum, L // stages))
+    terms.update(_communication(cfg, plan, prof, bd, b, accum))
     return StepTime(terms, tokens_per_step=plan.tokens_per_step)
 
 
-def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, n: int, b: int, accum: int, layers: int
+def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBreakdown, b: int, accum: int
                    ) -> "OrderedDict[str, float]":
-    """ZeRO's collectives, offload transfers and the optimizer step for ``n`` parameters on a rank."""
+    """ZeRO's collectives, offload transfers and the optimizer step for a rank's share of ``bd``."""
     out: "OrderedDict[str, float]" = OrderedDict()
+    stages = plan.pipeline_stages
+    n, layers = bd.total // stages, max(1, bd.num_layers // stages)
     dp, stage = plan.data_parallel_size, cfg.zero.stage
     bw = prof.internode_bytes_per_s if plan.world.nnodes > 1 else prof.collective_bytes_per_s
     lat, bk = prof.collective_latency_s, plan.buckets
     share = (dp - 1) / dp
     passes = 3 if cfg.trainer.activation_checkpointing else 2  # forward, backward (+ recomputation)
     if dp > 1:
-        reduce = _collective(share * n * b * prof.reduce_scatter_factor, bk.reduce_bucket_size * b, 1, bw, lat)
-        if stage <= 1:  # one all-reduce of the accumulated gradients per step
-            out["grad_comm"] = _collective(2 * share * n * b, bk.reduce_bucket_size * b, 1, bw, lat)
+        calls = reduce_calls(bd, bk.reduce_bucket_size, stages)
+        if stage == 0:  # the engine all-reduces the accumulated gradients once per step, flattened in 5e8 elements
+            out["grad_comm"] = _collective(2 * share * n * b, math.ceil(n / ZERO0_ALLREDUCE_ELEMENTS), bw, lat)
+        elif stage == 1:  # ZeRO-1 reduces them once per step too, in reduce buckets
+            out["grad_comm"] = _collective(2 * share * n * b, calls, bw, lat)
         else:  # ZeRO-2/3 reduce in backward, every micro-batch
-            out["grad_comm"] = accum * reduce
+            out["grad_comm"] = accum * _collective(share * n * b * prof.reduce_scatter_factor, calls, bw, lat)
         if stage in (1, 2):
-            out["param_comm"] = _collective(share * n * b, bk.allgather_bucket_size * b, 1, bw, lat)
+            out["param_comm"] = _collective(share * n * b, math.ceil(n / dp / bk.allgather_bucket_size), bw, lat)
         elif stage == 3:
-            gathered = n - min(n, cfg.model.hidden_size * 10 * layers)  # persistence threshold keeps small ones
-            per_pass = _collective(share * gathered * b, bk.stage3_prefetch_bucket_size * b, 4 * layers, bw, lat)
-            out["param_comm"] = accum * passes * per_pass
+            threshold = bk.stage3_param_persistence_threshold
+            gathered = n - min(n, bd.persistent(threshold) // stages)
+            # One all-gather per module with parameters above the persistence threshold, per pass.
+            tensors = (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
+            fetches = sum(1 for t in tensors if t > threshold) // stages
+            out["param_comm"] = accum * passes * _collective(share * gathered * b, fetches, bw, lat)
     part = n // dp if stage >= 1 else n
     if plan.offload_optimizer:
         link = prof.host_link_bytes_per_s

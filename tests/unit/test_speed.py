@@ -3,8 +3,6 @@
 The model's figures are checked against real runs by benchmarks/autofit_rank.py (docs/speed.md); here: each
 term moves the way its cause says, and autofit takes the fastest predicted config that fits.
 """
-import dataclasses
-
 import pytest
 
 from helpers import CPU2, GPU8, composed, planned
@@ -31,8 +29,9 @@ def test_each_term_follows_its_cause():
     assert 0.2 * base.terms["compute"] < ckpt.terms["recompute"] < 0.34 * base.terms["compute"]
     z3 = terms(*GPT2, "zero=stage3")
     assert z3.terms["param_comm"] > 2 * base.terms["param_comm"]  # gathered every forward and backward
+    big = terms(*GPT2, "zero=stage2", "zero.reduce_bucket_size=200000000")
     small = terms(*GPT2, "zero=stage2", "zero.reduce_bucket_size=10000")
-    assert small.terms["grad_comm"] > 2 * base.terms["grad_comm"]  # one latency per bucket
+    assert small.terms["grad_comm"] > 2 * big.terms["grad_comm"]  # one latency per bucket
     one = terms(*GPT2, "zero=stage2", world=World(1, 1, "cuda"))
     assert "grad_comm" not in one.terms and "param_comm" not in one.terms
     off = terms(*GPT2, "zero=stage2", "offload=cpu")
@@ -95,24 +94,24 @@ def test_autofit_takes_the_fastest_predicted_config_that_fits(overrides):
     assert fit.step.seconds <= min(times) * (1 + SPEED_TIE)
 
 
-def test_autofit_raises_the_zero_stage_to_keep_a_larger_micro_batch():
-    # 8 × 12 GiB for GPT-2 large: the fixed ladder kept ZeRO-1 at micro-batch 1 (a higher stage was its later
-    # rung); a higher stage frees enough memory for 8× the micro-batch, and 8 ranks make its collectives cheap.
+def test_autofit_beats_the_fixed_ladder_where_a_larger_micro_batch_is_worth_a_change():
+    # 8 × 12 GiB for GPT-2 large: the fixed ladder (micro-batch first, then checkpointing, then a higher stage)
+    # stopped at ZeRO-1 with micro-batch 1; the step-time model keeps a larger micro-batch (recomputation costs
+    # a third of the layers' compute; 64 micro-batches of 1 token row cost overhead and GPU efficiency).
     cfg = composed("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
                    "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=12", "hardware.host_mem_gib=256", "gate=autofit")
     hw = resolve_hardware(cfg.hardware, None)
     world = plan_world(cfg, hw)
     plan = make_plan(cfg, world)
     fit = autofit(cfg, plan, hw)
-    assert fit.cfg.zero.stage >= 2 and fit.cfg.trainer.micro_batch_size > 1, fit.changes
-    ladder_first = next(_apply(cfg, world, k, plan.global_batch_size)[0]
-                        for k in _candidates(cfg, world, plan.global_batch_size)
-                        if estimate(_apply(cfg, world, k, plan.global_batch_size)[0],
-                                    make_plan(_apply(cfg, world, k, plan.global_batch_size)[0], world), hw).fits)
-    assert ladder_first.trainer.micro_batch_size == 1
-    assert fit.step.seconds < 0.95 * predict_step_time(ladder_first, make_plan(ladder_first, world)).seconds
+    ladder = next(new for new, _ in (_apply(cfg, world, k, plan.global_batch_size)
+                                     for k in _candidates(cfg, world, plan.global_batch_size))
+                  if estimate(new, make_plan(new, world), hw).fits)
+    assert ladder.trainer.micro_batch_size == 1
+    assert fit.cfg.trainer.micro_batch_size > 1, fit.changes
+    assert fit.step.seconds < 0.97 * predict_step_time(ladder, make_plan(ladder, world)).seconds
     from zerorun.memory import gate
 
     d = gate(cfg, plan, hw)
     assert d.ok and d.step is not None and "predicted" in d.message and "the fastest of" in d.message
-    assert dataclasses.replace(d.cfg) == fit.cfg
+    assert d.cfg == fit.cfg

@@ -15,7 +15,7 @@ from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMod
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded)
 from ..config.rules import FAST_MMAP_THRESHOLD_MIB
 from ..hardware import Hardware
-from ..speed import SpeedProfile, StepTime, predict_step_time
+from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
 
 
@@ -45,7 +45,7 @@ class GateDecision:
     warning: Optional[str] = None
     suggestion: Optional[List[str]] = None
     """Hydra overrides of a config that fits (strict/warn refusals), if one exists."""
-    step: Optional[StepTime] = None
+    step: Optional["speed.StepTime"] = None
     """Autofit: the predicted step time of the config it chose (zerorun.speed)."""
 
     @property
@@ -204,7 +204,7 @@ goes to the earlier rung of the ladder: the smaller change (no offload, the user
 
 
 def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION,
-            profile: Optional[SpeedProfile] = None) -> Optional["Fit"]:
+            profile: Optional["speed.SpeedProfile"] = None) -> Optional["Fit"]:
     """The fastest config that fits: every candidate (``_candidates``) is estimated, and of those that fit the
     one with the lowest predicted step time (zerorun.speed) wins, ties (SPEED_TIE) to the earlier rung of the
     ladder. None if nothing zerorun can change fits. ``global_batch_size`` stays fixed (pinned to micro × ranks
@@ -216,7 +216,7 @@ def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFA
         new_plan = make_plan(new, plan.world)
         est = estimate(new, new_plan, hw, cal=cal)
         if est.fits:
-            fits.append(Fit(new, est, changes, predict_step_time(new, new_plan, profile)))
+            fits.append(Fit(new, est, changes, speed.predict_step_time(new, new_plan, profile)))
     if not fits:
         return None
     fastest = min(f.step.seconds for f in fits)
@@ -232,7 +232,7 @@ class Fit:
     cfg: RunConfig
     estimate: Estimate
     changes: List[Change]
-    step: StepTime
+    step: "speed.StepTime"
     fitting: int = 1
 
     def __iter__(self):  # (cfg, estimate, changes), as callers unpack it
