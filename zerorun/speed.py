@@ -215,7 +215,9 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
         else:  # ZeRO-2/3 reduce in backward, every micro-batch
             out["grad_comm"] = accum * _collective(share * n * b * prof.reduce_scatter_factor, calls, bw, lat)
         if stage in (1, 2):
-            out["param_comm"] = _collective(share * n * b, math.ceil(n / dp / bk.allgather_bucket_size), bw, lat)
+            # One all_gather_into_tensor per parameter group whatever allgather_bucket_size says (torch >= 2 has
+            # it on every backend: deepspeed/runtime/utils.py all_gather_dp_groups).
+            out["param_comm"] = _collective(share * n * b, 1, bw, lat)
         elif stage == 3:
             threshold = bk.stage3_param_persistence_threshold
             gathered = n - min(n, bd.persistent(threshold) // stages)
