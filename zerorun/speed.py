@@ -70,18 +70,18 @@ CPU_RANK = SpeedProfile(
     # benchmarks/speed_terms.py on the 2-core development machine (1 thread per rank): matmul fp32 96.6, bf16
     # 456 GFLOP/s; AdamW 573, DeepSpeedCPUAdam 1,681, bitsandbytes 8-bit 52, SGD 2,527 M params/s; first touch
     # 2.39 GiB/s; raw gloo all-reduce 179 µs + 1.43 GiB/s. Inside DeepSpeed a bucket costs more than the raw
-    # collective (its hooks, copies and casts in Python): the per-call latency (2 ms), collective bandwidth
-    # (0.7 GiB/s), matmul efficiency and activation bandwidth are fitted to 15 end-to-end runs of
-    # benchmarks/autofit_rank.py (three GPT-2 shapes, ZeRO 0-3, offload, checkpointing, mmap threshold), docs/speed.md.
+    # collective (its hooks, copies and casts in Python): the per-call latency, collective bandwidth, matmul
+    # efficiency and activation bandwidth are fitted (benchmarks/fit_speed_profile.py) to 24 configs measured by
+    # benchmarks/autofit_rank.py (three GPT-2 shapes, fp32, ZeRO 0-3, offload, checkpointing, mmap threshold).
     name="cpu",
     matmul_flops={"fp32": 96.6e9, "bf16": 456e9, "fp16": 456e9},
     efficiency=1.0,
-    activation_bytes_per_s=1.0e9,
+    activation_bytes_per_s=1.5e9,
     half_speed_tokens=0,
     overhead_per_layer_s=2e-3,
     collective_latency_s=2e-3,
-    collective_bytes_per_s=0.7 * 2**30,
-    internode_bytes_per_s=0.7 * 2**30,
+    collective_bytes_per_s=0.45 * 2**30,
+    internode_bytes_per_s=0.45 * 2**30,
     reduce_scatter_factor=2.0,
     host_link_bytes_per_s=8e9,
     optimizer_params_per_s={OptimizerImpl.torch_adamw: 573e6, OptimizerImpl.cpu_adam: 1681e6,
