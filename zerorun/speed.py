@@ -141,11 +141,16 @@ def _collective(bytes_: float, calls: int, bw: float, latency: float) -> float:
     return bytes_ / bw + max(1, calls) * latency
 
 
+def _tensors(bd: ParamBreakdown) -> tuple:
+    """Every parameter tensor's element count, in module order."""
+    return (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
+
+
 def reduce_calls(bd: ParamBreakdown, bucket: int, stages: int = 1) -> int:
     """Collectives of one gradient reduction in buckets of ``bucket`` elements: gradients are packed into a
     bucket until it is full, and one larger than the bucket goes alone (stage_1_and_2.py
     ``extra_large_param_to_reduce``), so GPT-2's or BERT's word embedding is one call, not V·h / bucket."""
-    tensors = [*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors]
+    tensors = _tensors(bd)
     small = sum(t for t in tensors if t <= bucket)
     return max(1, (math.ceil(small / max(1, bucket)) + sum(1 for t in tensors if t > bucket)) // stages)
 
@@ -181,8 +186,7 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
         # Activations above the threshold, and every weight gradient above it: autograd makes each micro-batch's
         # gradient anew before adding it to .grad or copying it into a bucket.
         faulted = max(0, act.saved + act.working_set + act.logits_loss - act.heap_churn)
-        grad_bytes = [t * b for t in (*bd.embedding_tensors, *bd.layer_tensors * L, *bd.head_tensors)]
-        faulted += sum(g for g in grad_bytes if g >= threshold) / stages
+        faulted += sum(t * b for t in _tensors(bd) if t * b >= threshold) / stages
         per_micro["page_faults"] = faulted / prof.first_touch_bytes_per_s
     terms: "OrderedDict[str, float]" = OrderedDict((k, v * accum) for k, v in per_micro.items())
     if plan.pipeline:
@@ -222,8 +226,7 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
             threshold = bk.stage3_param_persistence_threshold
             gathered = n - min(n, bd.persistent(threshold) // stages)
             # One all-gather per module with parameters above the persistence threshold, per pass.
-            tensors = (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
-            fetches = sum(1 for t in tensors if t > threshold) // stages
+            fetches = sum(1 for t in _tensors(bd) if t > threshold) // stages
             out["param_comm"] = accum * passes * _collective(share * gathered * b, fetches, bw, lat)
     part = n // dp if stage >= 1 else n
     if plan.offload_optimizer:

@@ -115,3 +115,17 @@ def test_autofit_beats_the_fixed_ladder_where_a_larger_micro_batch_is_worth_a_ch
     d = gate(cfg, plan, hw)
     assert d.ok and d.step is not None and "predicted" in d.message and "the fastest of" in d.message
     assert d.cfg == fit.cfg
+
+
+def test_a_gradient_larger_than_the_bucket_is_reduced_in_one_call():
+    from zerorun.memory import param_breakdown
+    from zerorun.speed import reduce_calls
+
+    cfg = composed("+model=gpt2")
+    bd = param_breakdown(cfg.model)
+    h2 = cfg.model.hidden_size ** 2
+    big = sum(1 for t in (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors) if t > h2)
+    calls = reduce_calls(bd, h2)
+    # The 38.6M-element word embedding is one call of its own, not 65 bucket-fulls.
+    assert big < calls < big + bd.total // h2 - bd.embedding_tensors[0] // h2 + 2
+    assert reduce_calls(bd, 10**9) == 1  # everything fits one bucket
