@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import faults, launcher, netcheck, platforms, supervise
+from . import faults, launcher, netcheck, platforms, speed, supervise
 from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
@@ -202,7 +202,8 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
                          ds_config=_ds_config(cfg, plan, resume, run_dir), prepared=prepared.to_json(), resume=resume,
                          estimate={**decision.estimate.to_json(), "gate": {
                              "mode": decision.mode.value, "ok": decision.ok, "message": decision.message,
-                             "changes": [dataclasses.asdict(c) for c in decision.changes]}})
+                             "changes": [dataclasses.asdict(c) for c in decision.changes]},
+                             "predicted_step": speed.predict_step_time(cfg, plan).to_json()})
     if cfg.offload.device == OffloadDevice.nvme:
         Path(cfg.offload.nvme_path).mkdir(parents=True, exist_ok=True)
     lp = _launch_plan(cfg, plan, run_dir, hw)

@@ -235,9 +235,6 @@ class Fit:
     step: "speed.StepTime"
     fitting: int = 1
 
-    def __iter__(self):  # (cfg, estimate, changes), as callers unpack it
-        return iter((self.cfg, self.estimate, self.changes))
-
 
 def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, List[Change]]]:
     """After an out-of-memory error at runtime, the next config to try (None: nothing left): the
@@ -366,7 +363,7 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
         msg = f"{shortfall} Fix: {fix}"
         return GateDecision(mode == GateMode.warn, mode, cfg, est, est, message=msg,
                             warning=msg if mode == GateMode.warn else None)
-    new_cfg, new_est, changes = found
+    new_cfg, new_est, changes = found.cfg, found.estimate, found.changes
     overrides = [c.override() for c in changes]
     if mode == GateMode.autofit:
         why = "; ".join(f"{c.override()} ({c.why})" for c in changes)
