@@ -6,8 +6,8 @@ Each term with a plain micro-benchmark, nothing of zerorun's in the loop: dense 
 (fp32, bf16) at the shapes a small transformer runs; gloo all-reduce latency and bandwidth between two
 processes (a least-squares fit of time = latency + bytes / bandwidth); the optimizer steps per parameter
 (torch AdamW, DeepSpeedCPUAdam, bitsandbytes' 8-bit AdamW); and the cost of first-touching freed memory
-again (what a 1 MiB mmap threshold makes every step pay for its activations). Prints the figures and the
-profile line to paste into zerorun/speed.py. Figures, not a test.
+again (what a 1 MiB mmap threshold makes every step pay for its activations). Prints the figures that
+zerorun/speed.py's CPU_RANK quotes. Figures, not a test.
 """
 from __future__ import annotations
 

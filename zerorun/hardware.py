@@ -166,7 +166,7 @@ def detect() -> Hardware:
     names: List[str] = []
     if os.environ.get("DS_ACCELERATOR", "") != "cpu":
         smi = _nvidia_smi_memory()
-        if smi is None and _nvidia_device_nodes():  # no nvidia-smi in this container: ask CUDA (imports torch)
+        if smi is None and _nvidia_device_nodes():  # no nvidia-smi here: ask CUDA (imports torch)
             try:
                 import torch
 
@@ -196,12 +196,16 @@ def _nvidia_smi_name() -> str:
         return ""
 
 
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/dxg", "/dev/nvhost-*", "/dev/kfd")
+"""Where a GPU torch.cuda could use shows itself: NVIDIA (and MIG: its parent device), WSL2, Jetson, ROCm."""
+
+
 def _nvidia_device_nodes() -> bool:
-    """Whether the kernel shows an NVIDIA GPU (/dev/nvidia0, ...): without one, importing torch (~1 s of every
-    launch) to ask CUDA cannot find a GPU."""
+    """Whether the kernel shows a GPU torch.cuda could use: without one, importing torch (~1 s of every launch)
+    to ask CUDA finds nothing. DS_ACCELERATOR=cuda always asks."""
     import glob
 
-    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"))
+    return os.environ.get("DS_ACCELERATOR") == "cuda" or any(glob.glob(p) for p in GPU_DEVICE_NODES)
 
 
 def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> Optional[set]:

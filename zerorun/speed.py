@@ -11,15 +11,17 @@ run in lock-step, so one rank's time is the step's):
                the collective bandwidth plus one latency per bucket (small buckets pay many latencies)
   param_comm   ZeRO-1/2: the updated partitions all-gathered once per step; ZeRO-3: gathered for every
                forward and backward (and recomputation) of every micro-batch
-  offload      gradients to the host and parameters back over the host link each step; parameter offload
-               fetches the partition for every pass; NVMe: the optimizer states read and written each step
+  offload      gradients to the host (ZeRO-3 and accumulating ZeRO-2: every micro-batch) and parameters back
+               over the host link; parameter offload fetches the partition for every pass (from NVMe when
+               there); NVMe: the optimizer states and gradients read and written each step
   optimizer    the optimizer's step over the rank's partition at its implementation's measured rate
-  page_faults  CPU ranks: activations and weight gradients at or above the mmap threshold are page-faulted in
-               anew every micro-batch
+  page_faults  CPU ranks: activations (again when recomputed) and weight gradients at or above the mmap
+               threshold are page-faulted in anew every micro-batch
   bubble       pipeline: (stages - 1) idle micro-batch slots per step (1F1B)
 
 Communication is not assumed to overlap compute (it partly does on GPUs with overlap_comm): the ranking
-only needs the terms in proportion. docs/speed.md has the derivation and the ranking benchmark.
+only needs the terms in proportion. Pipeline stages are taken as balanced (total / stages; the last stage's
+LM head makes GPT-2's ~30% heavier). docs/speed.md has the derivation and the ranking benchmark.
 """
 from __future__ import annotations
 
@@ -172,8 +174,6 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     if prof.half_speed_tokens:
         rate *= tokens / (tokens + prof.half_speed_tokens)
     threshold = mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)
-    act = activations(m, micro, seq, dtype, plan.world.accelerator, cfg.trainer.activation_checkpointing,
-                      task=plan.task, num_labels=cfg.task.num_labels, mmap_threshold=threshold)
     full = activations(m, micro, seq, dtype, plan.world.accelerator, False, task=plan.task,
                        num_labels=cfg.task.num_labels, mmap_threshold=threshold)
     traffic = (full.outside_layers + L * full.per_layer + full.logits_loss) / stages
@@ -183,11 +183,14 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
         / stages if cfg.trainer.activation_checkpointing else 0.0
     per_micro["overhead"] = prof.overhead_per_layer_s * (L / stages + 2)
     if prof.first_touch_bytes_per_s and plan.world.accelerator == "cpu":
-        # Activations above the threshold, and every weight gradient above it: autograd makes each micro-batch's
-        # gradient anew before adding it to .grad or copying it into a bucket.
-        faulted = max(0, act.saved + act.working_set + act.logits_loss - act.heap_churn)
-        faulted += sum(t * b for t in _tensors(bd) if t * b >= threshold) / stages
-        per_micro["page_faults"] = faulted / prof.first_touch_bytes_per_s
+        # Every activation above the threshold (a checkpointed forward still allocates them all, and the
+        # recomputation makes each layer's again), and every weight gradient above it: autograd makes each
+        # micro-batch's gradient anew before adding it to .grad or copying it into a bucket.
+        faulted = max(0, full.saved + full.working_set + full.logits_loss - full.heap_churn)
+        if cfg.trainer.activation_checkpointing:
+            faulted += L * max(0, full.per_layer - full.small_per_layer)
+        faulted += sum(t * b for t in _tensors(bd) if t * b >= threshold)
+        per_micro["page_faults"] = faulted / stages / prof.first_touch_bytes_per_s
     terms: "OrderedDict[str, float]" = OrderedDict((k, v * accum) for k, v in per_micro.items())
     if plan.pipeline:
         slot = sum(per_micro.values())
@@ -204,7 +207,7 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
     """ZeRO's collectives, offload transfers and the optimizer step for a rank's share of ``bd``."""
     out: "OrderedDict[str, float]" = OrderedDict()
     stages = plan.pipeline_stages
-    n, layers = bd.total // stages, max(1, bd.num_layers // stages)
+    n = bd.total // stages
     dp, stage = plan.data_parallel_size, cfg.zero.stage
     bw = prof.internode_bytes_per_s if plan.world.nnodes > 1 else prof.collective_bytes_per_s
     lat, bk = prof.collective_latency_s, plan.buckets
@@ -225,16 +228,23 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
         elif stage == 3:
             threshold = bk.stage3_param_persistence_threshold
             gathered = n - min(n, bd.persistent(threshold) // stages)
-            # One all-gather per module with parameters above the persistence threshold, per pass.
+            # One all-gather per parameter tensor above the persistence threshold (its module's), per pass.
             fetches = sum(1 for t in _tensors(bd) if t > threshold) // stages
             out["param_comm"] = accum * passes * _collective(share * gathered * b, fetches, bw, lat)
     part = n // dp if stage >= 1 else n
     if plan.offload_optimizer:
         link = prof.host_link_bytes_per_s
-        out["offload"] = (part * 4 + part * b) / link  # fp32 gradients out, updated 16/32-bit parameters back
-        if plan.offload_params:
-            out["offload"] += accum * passes * part * b / link
-        if OffloadDevice(cfg.offload.device) == OffloadDevice.nvme:
-            out["offload"] += 2 * part * 12 / prof.nvme_bytes_per_s  # fp32 master + Adam moments, read and write
+        nvme = OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
+        # fp32 gradients to the host: ZeRO-3 copies its partition every micro-batch; ZeRO-1/2 once per step, but
+        # with accumulation ZeRO-2 moves the accumulated partition over and back every micro-batch
+        # (stage_1_and_2.py async_accumulate_grad_in_cpu_via_gpu).
+        moves = accum if stage == 3 else (2 * accum if stage == 2 and accum > 1 else 1)
+        out["offload"] = moves * part * 4 / link
+        if plan.offload_params:  # the partition is fetched for every pass, from NVMe when it lives there
+            out["offload"] += accum * passes * part * b / (prof.nvme_bytes_per_s if nvme else link)
+        else:  # the updated 16/32-bit parameters back to the device
+            out["offload"] += part * b / link
+        if nvme:  # fp32 master, Adam moments and gradients swapped in and out each step
+            out["offload"] += 2 * part * 16 / prof.nvme_bytes_per_s
     out["optimizer"] = part / prof.optimizer_params_per_s[plan.optimizer]
     return out

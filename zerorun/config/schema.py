@@ -221,7 +221,7 @@ class LauncherConfig:
     but every activation of 1 MiB or more is page-faulted anew each step (1.5x slower steps measured on small
     GPT-2s, benchmarks/throughput.py). 32 (glibc's own ceiling): fast. None (auto): 32 when the gate's
     estimate at 32 fits with 15% to spare (the estimate is validated at 1 MiB; at 32 it erred by -6..+13%),
-    else 1. autofit lowers an explicit 32 to 1 when that is what makes a CPU run fit."""
+    else 1. autofit may lower an explicit 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
     stop_timeout_s: int = 110
     """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own

@@ -149,14 +149,11 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
 
 
 def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs]:
-    """Every config autofit may choose, fastest first.
+    """Every config autofit may choose, in the ladder's order (``_speed_rank``): the smallest change first.
 
-    Preference (least significant first): a smaller micro-batch with more accumulation, activation
-    checkpointing, smaller buckets, a higher ZeRO stage, optimizer offload to CPU, parameter offload.
-    A later knob is used only when no combination of the earlier ones fits, and then the earlier ones
-    are tried again from the fastest (so ZeRO-2 without checkpointing beats ZeRO-2 with it).
-    Nothing the user chose is undone (stage, offload device, checkpointing only go up); autofit never
-    picks NVMe by itself (it needs a disk path and libaio).
+    Autofit ranks those that fit by predicted step time and uses this order only for ties; the runtime OOM
+    repair walks it one rung at a time. Nothing the user chose is undone (stage, offload device,
+    checkpointing only go up); autofit never picks NVMe by itself (it needs a disk path and libaio).
     """
     tr, z, off = cfg.trainer, cfg.zero, cfg.offload
     dp = data_parallel_size(cfg, world)
@@ -191,9 +188,9 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
 
 
 def _speed_rank(k: _Knobs) -> Tuple:
-    """Autofit's order, fastest first: parameter offload, then optimizer offload, 8-bit optimizer states, stage,
-    small buckets, checkpointing, a low mmap threshold (CPU ranks), and a smaller micro-batch each cost more
-    than everything after them."""
+    """The ladder's order, smallest change first: parameter offload, then optimizer offload, 8-bit optimizer
+    states, stage, small buckets, checkpointing, a low mmap threshold (CPU ranks) and a smaller micro-batch each
+    weigh more than everything after them. The runtime OOM repair climbs it; autofit breaks ties with it."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
     return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
 
@@ -368,8 +365,8 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     if mode == GateMode.autofit:
         why = "; ".join(f"{c.override()} ({c.why})" for c in changes)
         msg = (f"{shortfall} autofit: {' '.join(overrides)} → {gib(new_est.per_rank_peak_bytes)} of "
-               f"{gib(new_est.device_capacity_bytes)}, predicted {found.step.seconds:.3g} s/step, the fastest of "
-               f"{found.fitting} config(s) that fit. Why: {why}.")
+               f"{gib(new_est.device_capacity_bytes)}, predicted {found.step.seconds:.3g} s/step (within "
+               f"{SPEED_TIE:.0%} of the fastest of {found.fitting} config(s) that fit). Why: {why}.")
         return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides,
                             step=found.step)
     msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}): {' '.join(overrides)} — "
