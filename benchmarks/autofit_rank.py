@@ -14,7 +14,6 @@ case, predicted and measured s/step with both ranks, and autofit's choice agains
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -55,22 +54,17 @@ def candidates(overrides: List[str], budget: float):
     from zerorun.config import compose, make_plan, plan_world
     from zerorun.hardware import detect, resolve_hardware
     from zerorun.memory import estimate
-    from zerorun.memory.gate import _apply, _candidates, autofit
-    from zerorun.speed import predict_step_time
+    from zerorun.memory.gate import fastest, fitting_configs
 
     cfg = compose([*overrides, *COMMON, f"hardware.host_mem_gib={budget}"])
     hw = resolve_hardware(cfg.hardware, detect())
     plan = make_plan(cfg, plan_world(cfg, hw))
     assert not estimate(cfg, plan, hw).fits, "the budget must be too small for the config as given"
-    fits = []
-    for k in _candidates(cfg, plan.world, plan.global_batch_size):
-        new, changes = _apply(cfg, plan.world, k, plan.global_batch_size)
-        new_plan = make_plan(new, plan.world)
-        if estimate(new, new_plan, hw).fits:
-            fits.append(([c.override() for c in changes], predict_step_time(new, new_plan).seconds))
-    ladder = fits[0][0]
+    in_ladder_order = fitting_configs(cfg, plan, hw)
+    fits = [([c.override() for c in f.changes], f.step.seconds) for f in in_ladder_order]
     fits.sort(key=lambda f: f[1])
-    choice = autofit(cfg, plan, hw)
+    choice = fastest(in_ladder_order)
+    ladder = [c.override() for c in in_ladder_order[0].changes]
     return fits, [c.override() for c in choice.changes], ladder, plan.global_batch_size * plan.seq_len
 
 

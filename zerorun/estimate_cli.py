@@ -130,9 +130,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     table = M.table_configs(cfg)
     from .speed import predict_step_time
 
-    rows = [(label, M.estimate(c, make_plan(c, world), hw), _eight_bit(M, c, world, hw),
-             predict_step_time(c, make_plan(c, world))) for label, c in table]
-    chosen = next((label for label, c in table if (c.zero.stage, c.offload.device, make_plan(c, world).offload_params)
+    plans = [make_plan(c, world) for _, c in table]
+    rows = [(label, M.estimate(c, p, hw), _eight_bit(M, c, world, hw), predict_step_time(c, p))
+            for (label, c), p in zip(table, plans)]
+    chosen = next((label for (label, c), p in zip(table, plans) if (c.zero.stage, c.offload.device, p.offload_params)
                    == (cfg.zero.stage, cfg.offload.device, plan.offload_params)), None)
     decision = M.gate(cfg, plan, hw, GateMode.strict)
     t3 = time.perf_counter()

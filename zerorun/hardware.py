@@ -166,7 +166,7 @@ def detect() -> Hardware:
     names: List[str] = []
     if os.environ.get("DS_ACCELERATOR", "") != "cpu":
         smi = _nvidia_smi_memory()
-        if smi is None and _nvidia_device_nodes():  # no nvidia-smi here: ask CUDA (imports torch)
+        if smi is None and _gpu_device_nodes():  # no nvidia-smi here: ask CUDA (imports torch)
             try:
                 import torch
 
@@ -200,7 +200,7 @@ GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/dxg
 """Where a GPU torch.cuda could use shows itself: NVIDIA (and MIG: its parent device), WSL2, Jetson, ROCm."""
 
 
-def _nvidia_device_nodes() -> bool:
+def _gpu_device_nodes() -> bool:
     """Whether the kernel shows a GPU torch.cuda could use: without one, importing torch (~1 s of every launch)
     to ask CUDA finds nothing. DS_ACCELERATOR=cuda always asks."""
     import glob

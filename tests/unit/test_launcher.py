@@ -103,12 +103,12 @@ def test_the_launcher_reads_this_machine_without_importing_torch_where_it_can(tm
 
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setattr(hardware, "_nvidia_smi_memory", lambda: None)
-    monkeypatch.setattr(hardware, "_nvidia_device_nodes", lambda: False)
+    monkeypatch.setattr(hardware, "_gpu_device_nodes", lambda: False)
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: {"fpu"})
     monkeypatch.setattr(builtins, "__import__", no_torch)
     hw = hardware.detect()
     assert hw.accelerator == "cpu" and hw.fp16_ok is False
     assert "torch" not in attempted, attempted
-    monkeypatch.setattr(hardware, "_nvidia_device_nodes", lambda: True)  # a GPU node but no nvidia-smi: ask CUDA
+    monkeypatch.setattr(hardware, "_gpu_device_nodes", lambda: True)  # a GPU node but no nvidia-smi: ask CUDA
     hardware.detect()
     assert "torch" in attempted

@@ -149,7 +149,7 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
 
 
 def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs]:
-    """Every config autofit may choose, in the ladder's order (``_speed_rank``): the smallest change first.
+    """Every config autofit may choose, in the ladder's order (``_ladder_rank``): the smallest change first.
 
     Autofit ranks those that fit by predicted step time and uses this order only for ties; the runtime OOM
     repair walks it one rung at a time. Nothing the user chose is undone (stage, offload device,
@@ -184,10 +184,10 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
                                 else [False]):
                         for micro in micros:
                             out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low))
-    return sorted(out, key=_speed_rank)
+    return sorted(out, key=_ladder_rank)
 
 
-def _speed_rank(k: _Knobs) -> Tuple:
+def _ladder_rank(k: _Knobs) -> Tuple:
     """The ladder's order, smallest change first: parameter offload, then optimizer offload, 8-bit optimizer
     states, stage, small buckets, checkpointing, a low mmap threshold (CPU ranks) and a smaller micro-batch each
     weigh more than everything after them. The runtime OOM repair climbs it; autofit breaks ties with it."""
@@ -200,12 +200,11 @@ SPEED_TIE = 0.03
 goes to the earlier rung of the ladder: the smaller change (no offload, the user's stage, no recomputation)."""
 
 
-def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION,
-            profile: Optional["speed.SpeedProfile"] = None) -> Optional["Fit"]:
-    """The fastest config that fits: every candidate (``_candidates``) is estimated, and of those that fit the
-    one with the lowest predicted step time (zerorun.speed) wins, ties (SPEED_TIE) to the earlier rung of the
-    ladder. None if nothing zerorun can change fits. ``global_batch_size`` stays fixed (pinned to micro × ranks
-    when it was unset), so step times compare the same work."""
+def fitting_configs(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION,
+                    profile: Optional["speed.SpeedProfile"] = None) -> List["Fit"]:
+    """Every config autofit may choose (``_candidates``) that fits, in the ladder's order, each with its
+    estimate and predicted step time. ``global_batch_size`` stays fixed (pinned to micro × ranks when it was
+    unset), so step times compare the same work."""
     pinned = plan.global_batch_size
     fits: List[Fit] = []
     for knobs in _candidates(cfg, plan.world, pinned):
@@ -214,11 +213,24 @@ def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFA
         est = estimate(new, new_plan, hw, cal=cal)
         if est.fits:
             fits.append(Fit(new, est, changes, speed.predict_step_time(new, new_plan, profile)))
+    return fits
+
+
+def fastest(fits: List["Fit"]) -> Optional["Fit"]:
+    """Of ``fits`` (in the ladder's order), the one with the lowest predicted step time, ties (SPEED_TIE) to the
+    earlier rung; ``fitting`` says how many there were. None when the list is empty."""
     if not fits:
         return None
-    fastest = min(f.step.seconds for f in fits)
-    chosen = next(f for f in fits if f.step.seconds <= fastest * (1 + SPEED_TIE))
+    best = min(f.step.seconds for f in fits)
+    chosen = next(f for f in fits if f.step.seconds <= best * (1 + SPEED_TIE))
     return dataclasses.replace(chosen, fitting=len(fits))
+
+
+def autofit(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEFAULT_CALIBRATION,
+            profile: Optional["speed.SpeedProfile"] = None) -> Optional["Fit"]:
+    """The fastest config that fits (``fastest`` of ``fitting_configs``); None if nothing zerorun can change
+    fits."""
+    return fastest(fitting_configs(cfg, plan, hw, cal=cal, profile=profile))
 
 
 @dataclass(frozen=True)
@@ -249,10 +261,10 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
             return _apply(cfg, plan.world, _Knobs(smaller[0], cfg.trainer.activation_checkpointing, False,
                                                   cfg.zero.stage, OffloadDevice(off.device), off.params), pinned)
     off = cfg.offload
-    here = _speed_rank(_Knobs(1, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
+    here = _ladder_rank(_Knobs(1, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
                               OffloadDevice(off.device), off.params))
     for k in knobs:  # the next rung down the ladder at micro-batch 1 that changes something
-        if k.micro == 1 and _speed_rank(k) > here:
+        if k.micro == 1 and _ladder_rank(k) > here:
             new, changes = _apply(cfg, plan.world, k, pinned)
             if changes:
                 return new, changes
