@@ -73,8 +73,10 @@ def model_file(name: str) -> ModelConfig:
 
 
 def run_cfg(m: ModelConfig, dtype: Dtype, ckpt: bool, seq: int, micro: int, stage: int = 0,
-            offload: OffloadDevice = OffloadDevice.none, params: Optional[bool] = None) -> RunConfig:
-    """The RunConfig of one measured point: one rank, no gradient accumulation."""
+            offload: OffloadDevice = OffloadDevice.none, params: Optional[bool] = None,
+            bucket: Optional[int] = None) -> RunConfig:
+    """The RunConfig of one measured point: one rank, no gradient accumulation. ``bucket``: the reduce and
+    all-gather bucket size in elements (None: zerorun's default)."""
     cfg = RunConfig(model=m)
     cfg.precision.dtype = Dtype(dtype)
     cfg.trainer.activation_checkpointing = ckpt
@@ -83,6 +85,7 @@ def run_cfg(m: ModelConfig, dtype: Dtype, ckpt: bool, seq: int, micro: int, stag
     cfg.zero.stage = stage
     cfg.offload.device = OffloadDevice(offload)
     cfg.offload.params = params
+    cfg.zero.reduce_bucket_size = cfg.zero.allgather_bucket_size = bucket
     cfg.name = m.name
     return cfg
 
@@ -319,7 +322,7 @@ def engine_model_states(engine, device_type: Optional[str] = None) -> Dict[str, 
 
 
 def measure_engine(m: ModelConfig, layout: Layout, dtype: Dtype, subs: Sequence[Tuple[bool, int]],
-                   micro: int) -> List[Dict[str, Any]]:
+                   micro: int, bucket: Optional[int] = None) -> List[Dict[str, Any]]:
     """One real DeepSpeed engine (one rank); a row per (checkpointing, seq) in ``subs``.
 
     The tracker (``live_bytes``) sees only tensors made after it starts (nothing from earlier engines that DeepSpeed
@@ -334,8 +337,10 @@ def measure_engine(m: ModelConfig, layout: Layout, dtype: Dtype, subs: Sequence[
     from zerorun.models import build_model
 
     stage, offload = layout.stage, layout.device
-    cfg = run_cfg(m, dtype, False, subs[0][1], micro, stage, offload, layout.params)
-    ds = render(cfg, make_plan(cfg, CPU1))
+    cfg = run_cfg(m, dtype, False, subs[0][1], micro, stage, offload, layout.params, bucket)
+    plan = make_plan(cfg, CPU1)
+    bucket = plan.buckets.reduce_bucket_size  # recorded resolved: the estimate must not follow a later default
+    ds = render(cfg, plan)
     gc.collect()
     rows = []
     mt = live_bytes()
@@ -365,7 +370,7 @@ def measure_engine(m: ModelConfig, layout: Layout, dtype: Dtype, subs: Sequence[
             step = mt.peak
             rows.append({"kind": "engine", "model": m.name, "dtype": Dtype(dtype).value, "zero": stage,
                          "offload": OffloadDevice(offload).value, "offload_params": layout.params, "ckpt": ckpt, "seq": seq, "micro": micro,
-                         "init": init_peak, "base": base, "fwd_bwd": fwd_bwd, "step_base": step_base,
+                         "bucket": bucket, "init": init_peak, "base": base, "fwd_bwd": fwd_bwd, "step_base": step_base,
                          "step": step, "total": max(init_peak, fwd_bwd, step)})
         states = engine_model_states(engine)
         for r in rows:
@@ -411,7 +416,7 @@ def estimate_engine_row(r: Dict[str, Any], m: ModelConfig, world: World = CPU1,
     """The estimate's numbers for a measured engine row (CPU rank: the allocator peak is the phase
     maximum; the process runtime is not a tensor)."""
     cfg = run_cfg(m, Dtype(r["dtype"]), r["ckpt"], r["seq"], r["micro"], r["zero"], OffloadDevice(r["offload"]),
-                  r.get("offload_params"))
+                  r.get("offload_params"), r.get("bucket"))
     est = M.estimate(cfg, make_plan(cfg, world), hw)
     ph = {k: sum(v.values()) for k, v in est.phases.items()}
     step_phase = est.phases["optimizer step"]
@@ -559,7 +564,8 @@ def report(data: Dict[str, Any], elapsed: Optional[float] = None) -> Tuple[List[
 
 
 def run_matrix(*, tiny: Sequence[str], real: Sequence[str], dtypes: Sequence[Dtype], seqs: Sequence[int],
-               real_seqs: Sequence[int], micro: int, quick: bool, log=print) -> Dict[str, Any]:
+               real_seqs: Sequence[int], micro: int, quick: bool, bucket: Optional[int] = None,
+               log=print) -> Dict[str, Any]:
     """Every measurement of the validation matrix (see the module docstring)."""
     t0 = time.perf_counter()
     out: Dict[str, Any] = {"activations": [], "engines": [], "timing": {}}
@@ -587,7 +593,7 @@ def run_matrix(*, tiny: Sequence[str], real: Sequence[str], dtypes: Sequence[Dty
         for dtype in dtypes:
             for lay in engine_matrix(quick):
                 t = time.perf_counter()
-                out["engines"] += measure_engine(m, lay, dtype, subs, micro)
+                out["engines"] += measure_engine(m, lay, dtype, subs, micro, bucket)
                 log(f"  {name} {Dtype(dtype).value} ZeRO-{lay.stage} offload {lay.label}: {time.perf_counter() - t:.1f} s")
     out["timing"]["engines_s"] = time.perf_counter() - t1
     out["timing"]["total_s"] = time.perf_counter() - t0
@@ -604,13 +610,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--real-seqs", default="64,128")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="offload=cpu with ZeRO-2 only")
+    ap.add_argument("--bucket", type=int, default=None,
+                    help="reduce/all-gather bucket size in elements for the engines (default: zerorun's)")
     ap.add_argument("--print", action="store_true", help="also print the tables and the accuracy summary")
     args = ap.parse_args(argv)
     setup_process()
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     res = run_matrix(tiny=split(args.tiny), real=split(args.real), dtypes=[Dtype.fp32, Dtype.bf16],
                      seqs=[int(s) for s in split(args.seqs)], real_seqs=[int(s) for s in split(args.real_seqs)],
-                     micro=args.micro, quick=args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
+                     micro=args.micro, quick=args.quick, bucket=args.bucket, log=lambda s: print(s, file=sys.stderr, flush=True))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     if args.print:

@@ -12,8 +12,16 @@ def test_the_plan_resolves_task_batch_offload_and_optimizer():
     assert (plan.micro_batch_size, plan.grad_accum_steps, plan.global_batch_size, plan.data_parallel_size) == (4, 2, 64, 8)
     assert plan.offload_optimizer and plan.offload_params  # offload.params unset means yes at ZeRO-3
     assert plan.optimizer == OptimizerImpl.cpu_adam
-    assert plan.buckets.reduce_bucket_size == 128 * 128
+    # Smaller than DDP's 25 MiB: one bucket holds every gradient (4,386,178), rounded up to a multiple of 64
+    assert plan.buckets.reduce_bucket_size == plan.buckets.allgather_bucket_size == 4_386_240
     assert plan.tokens_per_step == 64 * plan.seq_len
+
+
+def test_buckets_are_ddps_25_mib_capped_at_the_model():
+    sizes = lambda *o: make_plan(composed(*o), GPU8).buckets.reduce_bucket_size  # noqa: E731
+    assert sizes("+model=gpt2") == 25 * 2**20 // 4  # fp32 gradients
+    assert sizes("+model=gpt2", "precision=bf16") == 25 * 2**20 // 2
+    assert sizes("+model=gpt2", "zero.reduce_bucket_size=1000") == 1000  # the user's
 
 
 def test_optimizer_implementation_follows_ranks_and_offload():

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
 from .rules import OptimizerImpl, optimizer_impl, params_offloaded, resolve_task
-from .schema import OffloadDevice, ParallelMode, RunConfig, TaskName
+from .schema import Dtype, OffloadDevice, ParallelMode, RunConfig, TaskName
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,21 @@ def grad_accum_steps(cfg: RunConfig, world: World) -> int:
     return max(1, global_batch(cfg, world) // max(1, per_step))
 
 
+DDP_BUCKET_BYTES = 25 * 2**20
+"""torch DDP's bucket_cap_mb: the gradient bytes one collective carries by default."""
+
+
 @dataclass(frozen=True)
 class Buckets:
-    """ZeRO bucket sizes in elements: the user's, else sized to the model like HF's "auto" (hidden², ...).
-    DeepSpeed's own default (5e8 elements) is ~1 GiB of 16-bit buffer, more than GPT-2 small's model
-    states, and makes 2-rank CPU runs start in a minute instead of a second."""
+    """ZeRO bucket sizes in elements: the user's, else ``bucket_sizes``'s.
+
+    Every bucket is one collective, and a collective has a fixed cost (~2 ms inside DeepSpeed on a CPU rank,
+    tens of µs with NCCL), so few large buckets are faster; but DeepSpeed allocates the reduce bucket whole
+    (twice with overlap_comm), so its own default of 5e8 elements is ~1 GiB of 16-bit buffer, more than GPT-2
+    small's model states; HF's "auto" (hidden²) costs ~100 collectives per micro-batch for GPT-2 small. zerorun
+    takes DDP's 25 MiB of gradients, capped at the model's size (a small model reduces in one collective per
+    micro-batch); autofit's "smaller buckets" rung goes down to hidden² (``small_bucket_sizes``) when the
+    memory is needed. The memory estimate follows DeepSpeed at either size (memory/buffers.py FirstReduce)."""
 
     reduce_bucket_size: int
     allgather_bucket_size: int
@@ -78,15 +88,33 @@ class Buckets:
         return asdict(self)
 
 
+def _model_params(cfg: RunConfig) -> int:
+    # The parameter layout lives with the memory estimate; imported here, not at the top, because
+    # zerorun.memory imports this package.
+    from ..memory.params import count_params
+
+    return count_params(cfg.model, resolve_task(cfg.task.name, cfg.model.family), cfg.task.num_labels)
+
+
 def bucket_sizes(cfg: RunConfig) -> Buckets:
     h, z = cfg.model.hidden_size, cfg.zero
+    grad_bytes = 4 if Dtype(cfg.precision.dtype) == Dtype.fp32 else 2
+    # A multiple of 64: stage_1_and_2.py asserts allgather_bucket_size % nccl_start_alignment_factor == 0.
+    fast = -(-min(DDP_BUCKET_BYTES // grad_bytes, _model_params(cfg)) // 64) * 64
     return Buckets(
-        reduce_bucket_size=z.reduce_bucket_size or h * h,
-        allgather_bucket_size=z.allgather_bucket_size or h * h,
+        reduce_bucket_size=z.reduce_bucket_size or fast,
+        allgather_bucket_size=z.allgather_bucket_size or fast,
         stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size or int(0.9 * h * h),
         stage3_param_persistence_threshold=(z.stage3_param_persistence_threshold
                                             if z.stage3_param_persistence_threshold is not None else 10 * h),
     )
+
+
+def small_bucket_sizes(cfg: RunConfig) -> Dict[str, int]:
+    """The ``zero.*`` bucket settings of autofit's "smaller buckets" rung: hidden² (HF's "auto"), the least
+    memory that still reduces a layer in a few collectives."""
+    h = cfg.model.hidden_size
+    return {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 from ..config import Dtype, Plan, RunConfig
 from .activations import DTYPE_BYTES
@@ -33,7 +33,12 @@ class BackwardBuffers:
     """What the backward pass allocates beyond activations and model states, on one rank."""
 
     buffers: List[Tuple[str, float]]
-    """Alive from the first bucket reduce to the end of backward (buckets, ZeRO-3 gathered params)."""
+    """ZeRO-3's gathered parameters: alive from forward to the end of backward."""
+    ipg: List[Tuple[str, float]]
+    """ZeRO-1/2's reduce buckets: allocated at the first gradient hook, freed at the end of every backward
+    (stage_1_and_2.py setup_buckets / _release_ipg_buffers), so not alive at the loss or the step."""
+    resident: List[Tuple[str, float]]
+    """ZeRO-3's reduce bucket: allocated with the optimizer and kept (stage3.py ``bucket.buffer``)."""
     in_flight: List[Tuple[str, float]]
     """ZeRO-2/3: a layer gradient not yet copied into its bucket."""
     tied_pending: List[Tuple[str, float]]
@@ -46,15 +51,17 @@ def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple)
     z, stage = cfg.zero, cfg.zero.stage
     p = g = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     buffers: List[Tuple[str, float]] = []
+    ipg: List[Tuple[str, float]] = []
+    resident: List[Tuple[str, float]] = []
     notes: List[str] = []
     # allgather_bucket_size allocates nothing in 0.19.8: all_gather_into_tensor writes into the flat
     # 16-bit buffer in place (runtime/utils.py all_gather_dp_groups).
     if stage in (1, 2) and z.contiguous_gradients:
         # setup_buckets(): one IPG bucket in the module dtype, a second one with overlap_comm
-        buffers.append(("reduce buckets", plan.buckets.reduce_bucket_size * g * (2 if z.overlap_comm else 1)))
+        ipg.append(("reduce buckets", plan.buckets.reduce_bucket_size * g * (2 if z.overlap_comm else 1)))
     if stage == 3:
         if z.contiguous_gradients:
-            buffers.append(("reduce buckets", plan.buckets.reduce_bucket_size * g))  # stage3.py IPG buffer
+            resident.append(("reduce buckets", plan.buckets.reduce_bucket_size * g))  # stage3.py IPG buffer
         live = zero3_live_peak(key, plan.buckets.stage3_param_persistence_threshold, z.stage3_max_reuse_distance)
         if plan.data_parallel_size == 1 and (not plan.offload_params or plan.world.accelerator == "cpu"):
             # One rank: DeepSpeed does not gather (partition_parameters.py _no_gather_coalesced: param.data =
@@ -72,7 +79,47 @@ def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple)
     # embedding's grad is the separate "tied-embedding grad": autograd holds it until both uses are summed.)
     in_flight = [("gradient in flight", max(bd.layer_tensors + bd.head_tensors) * g)] if stage >= 2 else []
     tied = [("tied-embedding grad (pending)", bd.tied_embedding * g)] if bd.tied_embedding else []
-    return BackwardBuffers(buffers, in_flight, tied, notes)
+    return BackwardBuffers(buffers, ipg, resident, in_flight, tied, notes)
+
+
+def reduced_before(arrivals: Iterable[int], bucket: int) -> bool:
+    """Whether a ZeRO-1/2 bucket has been reduced by the time gradients of these sizes (backward order) reach
+    their hooks: a bucket is reduced when the next gradient would overflow it (stage_1_and_2.py
+    reduce_independent_p_g_buckets_and_remove_grads). Until then each gradient lives inside the bucket (the
+    hook re-points param.grad into it) and the gradient partition, allocated by the first reduce
+    (copy_grads_in_partition), does not exist yet."""
+    held = 0
+    for n in arrivals:
+        if held and held + n > bucket:
+            return True
+        held += n
+    return False
+
+
+@dataclass(frozen=True)
+class FirstReduce:
+    """When ZeRO-1/2 first reduces a bucket in a backward pass, and so allocates its gradient partition."""
+
+    before_embedding: bool
+    """Before the word embedding's gradient reaches its hook. If so, the partition is counted from the
+    start of backward (exact with small buckets, an upper bound when the first reduce comes a few layers
+    in); if not, every other gradient sits in the bucket until the end of backward, where the partition
+    appears next to the bucket (the "gradient reduce" phase)."""
+    word_joins_bucket: bool
+    """The word embedding's gradient fits in what is left of the bucket (no flush while it is alive)."""
+
+
+def first_reduce(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> FirstReduce:
+    """Measured on CPU with buckets of hidden², larger than the model and in between
+    (benchmarks/memory_harness.py --bucket). With accumulation, pipelines or non-contiguous gradients the
+    early reduce is assumed (the layout validated there)."""
+    if (cfg.zero.stage not in (1, 2) or not cfg.zero.contiguous_gradients or plan.grad_accum_steps > 1
+            or plan.pipeline):
+        return FirstReduce(True, False)
+    bucket = plan.buckets.reduce_bucket_size
+    others = list(bd.head_tensors) + list(bd.layer_tensors) * bd.num_layers
+    return FirstReduce(before_embedding=reduced_before(others, bucket),
+                       word_joins_bucket=sum(others) + bd.word_embedding <= bucket)
 
 
 def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
@@ -81,10 +128,11 @@ def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> 
     Tied (GPT-2): LM-head grad + embedding grad + their sum (§3.6). Untied (BERT): the new grad before
     it is accumulated (measured: +V·h on top of the existing grads with gradient accumulation).
     ZeRO-0/1 without accumulation: the untied grad *is* param.grad (in "gradients"); ZeRO-2/3 hold it
-    apart until it is copied into the partition. With optimizer offload DeepSpeed clones a gradient
-    larger than the reduce bucket and takes its norm in fp64 (stage_1_and_2.py
-    set_norm_for_param_grad_in_gpu, stage3.py: ``.to(get_norm_dtype()).norm(2)``): +8 bytes per element
-    next to the (cloned) grad, measured on CPU for ZeRO-1/2/3.
+    apart until it is copied into the partition. With optimizer offload DeepSpeed takes each gradient's
+    norm in fp64 (stage_1_and_2.py set_norm_for_param_grad_in_gpu, stage3.py:
+    ``.to(get_norm_dtype()).norm(2)``): +8 bytes per element, next to a clone of the gradient where it is
+    larger than the reduce bucket (ZeRO-1/2 ``extra_large_param_to_reduce``; ZeRO-3 always), measured on
+    CPU for ZeRO-1/2/3.
     """
     stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     word = bd.word_embedding
@@ -96,7 +144,9 @@ def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> 
         copies = 2 if stage == 3 and not plan.offload_optimizer else 1
         transient = copies * word * g if (stage >= 2 or plan.grad_accum_steps > 1) else 0
     if plan.offload_optimizer:
-        own = 0 if (stage == 1 and not bd.tied_embedding) else word * g  # ZeRO-1: the grad is in "gradients"
+        # ZeRO-1 untied: the grad is in "gradients"; ZeRO-1/2: a gradient that fits is copied into the bucket
+        cloned = stage == 3 or word > plan.buckets.reduce_bucket_size
+        own = 0 if (stage == 1 and not bd.tied_embedding) or not cloned else word * g
         transient = max(transient, own + word * FP64_NORM_BYTES)
     return transient
 

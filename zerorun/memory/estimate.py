@@ -20,7 +20,7 @@ from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfi
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .activations import DTYPE_BYTES, Activations, activations
-from .buffers import backward_buffers, embedding_grad_transient, zero0_flatten_bytes
+from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
 from .stages import pipeline_stages, stage_view
 from .states import DS_SUB_GROUP_SIZE, ModelStates, host_step_bytes, model_states, phase, step_transient
@@ -244,12 +244,14 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     # (DeepSpeed sets them to None at the step), so none at all without accumulation. ZeRO-3's flat
     # gradient partition is allocated once and stays; offloaded host buffers stay. ZeRO-2's partition is
     # allocated at the first bucket reduce, so it exists again by the time the last layer runs backward.
+    # With a bucket that holds every gradient but the embeddings', that reduce comes at the end (FirstReduce).
+    first = first_reduce(cfg, plan, bd)
     if plan.grad_accum_steps > 1 or stage == 3:
         fwd_states = bwd_states = persistent
     else:
         fwd_states = phase((k, v) for k, v in persistent.items() if k != "gradients")
-        bwd_states = phase([*fwd_states.items(),
-                            ("gradients", part * g if stage == 2 and not plan.offload_optimizer else 0)])
+        bwd_states = phase([*fwd_states.items(), ("gradients", part * g if stage == 2 and first.before_embedding
+                                                  and not plan.offload_optimizer else 0)])
 
     acts = act.saved
     phases: "OrderedDict[str, Phase]" = OrderedDict()
@@ -260,22 +262,32 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     # Start of backward (log_softmax backward): every saved activation + the LM loss transient. The LM
     # head's weight grad comes only after this, when the logits grads are already freed (measured).
     phases["loss"] = phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
-                            *bwd.buffers])
+                            *bwd.buffers, *bwd.resident])
     # Backward through the last layer (recomputed under checkpointing): its grads' working set.
     layer_extra = [("activations", acts + (act.recompute_layer if act.checkpointing else 0)),
                    ("activation-grad working set", act.working_set)]
     phases["backward"] = phase([*bwd_states.items(), *layer_extra, *bwd.tied_pending, *bwd.in_flight,
-                                *bwd.buffers])
+                                *bwd.buffers, *bwd.ipg, *bwd.resident])
     if bd.word_embedding:
         # A pipeline's first stage still holds its other in-flight micro-batches here.
         others = act.saved - act.saved // act.in_flight
-        phases["embedding grad"] = phase([*_embedding_grad_states(cfg, plan, bd, persistent, part).items(),
-                                          ("activations", act.outside_layers + others),
-                                          ("embedding grad transient", embedding_grad_transient(cfg, plan, bd)),
-                                          *bwd.buffers])
+        emb_states, transient = _embedding_grad_states(cfg, plan, bd, persistent, part), \
+            embedding_grad_transient(cfg, plan, bd)
+        if not first.before_embedding:  # every other gradient is in the bucket; this one is still its own
+            emb_states = phase((k, v) for k, v in emb_states.items() if k != "gradients")
+            transient = max(transient, bd.word_embedding * g)
+        phases["embedding grad"] = phase([*emb_states.items(), ("activations", act.outside_layers + others),
+                                          ("embedding grad transient", transient),
+                                          *bwd.buffers, *bwd.ipg, *bwd.resident])
+    if not first.before_embedding:
+        # End of backward: the first reduce allocates the gradient partition while the bucket still exists
+        # (and the word embedding's gradient, if it did not fit in the bucket).
+        phases["gradient reduce"] = phase([*step_states.items(), *bwd.ipg,
+                                           ("embedding grad transient",
+                                            0 if first.word_joins_bucket else bd.word_embedding * g)])
     if stage == 0:
         phases["all-reduce"] = phase([*persistent.items(), ("all-reduce flatten buffer", zero0_flatten_bytes(cfg, bd))])
-    phases["optimizer step"] = phase([*step_states.items(),
+    phases["optimizer step"] = phase([*step_states.items(), *bwd.resident,
                                       ("optimizer-step transient", step_transient(cfg, plan, bd, part))])
     if act.pipe_buffers:  # allocated by the first micro-batch, never freed
         for name in phases:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
-                      bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded)
+                      bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded,
+                      small_bucket_sizes)
 from ..config.rules import FAST_MMAP_THRESHOLD_MIB
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
@@ -103,13 +104,15 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "keeps one input per layer instead of all its activations (~1/3 more compute)"))
         new_tr = dataclasses.replace(new_tr, activation_checkpointing=True)
     if k.small_buckets:
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-            if getattr(z, key) is not None:
-                changes.append(Change(f"zero.{key}", getattr(z, key), None, "hidden²-sized buckets (HF's auto size)"))
+        small = small_bucket_sizes(cfg)
+        now = bucket_sizes(cfg).to_json()
+        for key, size in small.items():
+            if now[key] != size:
+                changes.append(Change(f"zero.{key}", getattr(z, key), size,
+                                      "hidden²-sized buckets (HF's auto size): less buffer, more collectives"))
         if z.overlap_comm:
             changes.append(Change("zero.overlap_comm", True, False, "overlap_comm doubles the reduce bucket"))
-        new_z = dataclasses.replace(new_z, reduce_bucket_size=None, allgather_bucket_size=None,
-                                    stage3_prefetch_bucket_size=None, overlap_comm=False)
+        new_z = dataclasses.replace(new_z, **small, overlap_comm=False)
     if k.stage != z.stage:
         changes.append(Change("zero.stage", z.stage, k.stage,
                               {1: "partitions optimizer states", 2: "partitions optimizer states and gradients",
@@ -160,9 +163,8 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
     per_rank = pinned_global // dp if pinned_global % dp == 0 else tr.micro_batch_size
     micros = sorted({d for d in range(1, tr.micro_batch_size + 1)
                      if per_rank % d == 0 and pinned_global % (d * dp) == 0} | {tr.micro_batch_size}, reverse=True)
-    default = dataclasses.replace(z, reduce_bucket_size=None, allgather_bucket_size=None,
-                                  stage3_prefetch_bucket_size=None, overlap_comm=False)
-    shrinkable = bucket_sizes(dataclasses.replace(cfg, zero=default)) != bucket_sizes(cfg) or z.overlap_comm
+    now = bucket_sizes(cfg).to_json()
+    shrinkable = z.overlap_comm or any(now[key] > size for key, size in small_bucket_sizes(cfg).items())
     user_device = OffloadDevice(off.device)
     may_8bit = cfg.optimizer.autofit_8bit and cfg.optimizer.name == OptimizerName.adamw \
         and cfg.parallel.mode == ParallelMode.dp and _has_bitsandbytes()
