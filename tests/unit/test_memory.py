@@ -449,3 +449,38 @@ def test_estimate_table_for_a_pipeline_lists_its_stages():
     assert "pipeline stages of the composed config (2; the peak above is the worst):" in text
     for st in rows[0][1].stages:
         assert f"stage {st['stage']}: {st['blocks']} block(s) of 12" in text
+
+
+# --------------------------------------------------------------------------------------------- buckets
+
+
+def test_zero12_buckets_live_only_in_backward_zero3s_for_the_whole_run():
+    bucket = "reduce buckets"
+    for stage in (1, 2):
+        e = est("+model=gpt2", f"zero=stage{stage}")
+        assert bucket not in e.phases["loss"] and bucket not in e.phases["optimizer step"]
+        assert e.phases["backward"][bucket] == e.phases["embedding grad"][bucket] == 25 * 2**20  # fp32 grads
+    e = est("+model=gpt2", "zero=stage3")
+    assert e.phases["loss"][bucket] == e.phases["optimizer step"][bucket] == 25 * 2**20
+
+
+def test_reduced_before_flushes_when_the_next_gradient_would_overflow():
+    from zerorun.memory.buffers import reduced_before
+
+    assert not reduced_before([3, 3, 4], 10)  # exactly full: no reduce yet
+    assert reduced_before([3, 3, 5], 10)
+    assert not reduced_before([25], 10)  # alone and too large: it goes at the next gradient
+    assert reduced_before([25, 1], 10)
+
+
+def test_gradients_sit_in_a_bucket_that_holds_the_model_until_the_end_of_backward():
+    """tiny GPT-2's default bucket holds every gradient: no gradient partition during backward, then one at the
+    end next to the bucket; with hidden² buckets the partition is counted from the start (measured both)."""
+    whole = est("+model=tiny-gpt2", "zero=stage2", world=CPU2, hw=CPU_HOST)
+    small = est("+model=tiny-gpt2", "zero=stage2", "zero.reduce_bucket_size=16384", world=CPU2, hw=CPU_HOST)
+    part = -(-953_856 // 2) * 4
+    assert whole.phases["backward"].get("gradients", 0) == 0 and "gradient reduce" in whole.phases
+    reduce = whole.phases["gradient reduce"]
+    assert reduce["gradients"] == part and reduce["reduce buckets"] == 953_856 * 4
+    assert reduce.get("embedding grad transient", 0) == 0  # the word embedding's gradient joined the bucket
+    assert small.phases["backward"]["gradients"] == part and "gradient reduce" not in small.phases

@@ -98,10 +98,11 @@ class ZeroConfig:
     """ZeRO stage 0-3: what is partitioned across data-parallel ranks (0 nothing, 1 optimizer
     states, 2 + gradients, 3 + parameters)."""
     reduce_bucket_size: Optional[int] = None
-    """Elements per gradient-reduce bucket. None: hidden², as HF's "auto" does; DeepSpeed's own
-    default of 5e8 costs ~1 GiB in 16-bit and makes CPU runs crawl."""
+    """Elements per gradient-reduce bucket, one collective each. None: DDP's 25 MiB of gradients, capped at
+    the model's parameter count (config/plan.py bucket_sizes); DeepSpeed's own default of 5e8 costs ~1 GiB
+    in 16-bit, HF's "auto" (hidden²) ~100 collectives per micro-batch for GPT-2 small."""
     allgather_bucket_size: Optional[int] = None
-    """Elements per all-gather bucket (stage 1-2). None: hidden²."""
+    """Elements per all-gather bucket (stage 1-2). None: as reduce_bucket_size."""
     overlap_comm: bool = False
     """Overlap gradient reduction with backward. Costs extra bucket buffers (4.5x the bucket)."""
     contiguous_gradients: bool = True
