@@ -74,7 +74,7 @@ class Buckets:
     Every bucket is one collective, and a collective has a fixed cost (~2 ms inside DeepSpeed on a CPU rank,
     tens of µs with NCCL), so few large buckets are faster; but DeepSpeed allocates the reduce bucket whole
     (twice with overlap_comm), so its own default of 5e8 elements is ~1 GiB of 16-bit buffer, more than GPT-2
-    small's model states; HF's "auto" (hidden²) costs ~100 collectives per micro-batch for GPT-2 small. zerorun
+    small's model states; HF's "auto" (hidden²) costs ~150 collectives per micro-batch for GPT-2 small. zerorun
     takes DDP's 25 MiB of gradients, capped at the model's size (a small model reduces in one collective per
     micro-batch); autofit's "smaller buckets" rung goes down to hidden² (``small_bucket_sizes``) when the
     memory is needed. The memory estimate follows DeepSpeed at either size (memory/buffers.py FirstReduce)."""

@@ -100,7 +100,7 @@ class ZeroConfig:
     reduce_bucket_size: Optional[int] = None
     """Elements per gradient-reduce bucket, one collective each. None: DDP's 25 MiB of gradients, capped at
     the model's parameter count (config/plan.py bucket_sizes); DeepSpeed's own default of 5e8 costs ~1 GiB
-    in 16-bit, HF's "auto" (hidden²) ~100 collectives per micro-batch for GPT-2 small."""
+    in 16-bit, HF's "auto" (hidden²) ~150 collectives per micro-batch for GPT-2 small."""
     allgather_bucket_size: Optional[int] = None
     """Elements per all-gather bucket (stage 1-2). None: as reduce_bucket_size."""
     overlap_comm: bool = False
