@@ -102,10 +102,12 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only with room to spare
         cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world), plan_hw, cal)
         if world.accelerator == "cpu":
-            say(f"CPU ranks: mmap threshold {cfg.launcher.mmap_threshold_mib} MiB ("
-                + ("fast: the run fits with room to spare" if cfg.launcher.mmap_threshold_mib > 1 else
-                   "memory-saving: freed activations go back to the OS; launcher.mmap_threshold_mib=32 is faster")
-                + ")")
+            say({0: "CPU ranks: mmap off (fastest: freed memory is reused, not page-faulted anew; the run fits "
+                    "with room to spare)",
+                 32: "CPU ranks: mmap threshold 32 MiB (fast: the run fits with room to spare; "
+                     "launcher.mmap_threshold_mib=0 is faster and needs more memory)"}.get(
+                cfg.launcher.mmap_threshold_mib, "CPU ranks: mmap threshold 1 MiB (memory-saving: freed activations "
+                "go back to the OS; launcher.mmap_threshold_mib=32 is faster)"))
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .config.rules import CPU_MMAP_THRESHOLD
+from .config.rules import CPU_MMAP_THRESHOLD, MMAP_OFF_BYTES
 
 TRAIN_MODULE = "zerorun.train"
 SHM_DIR = "/dev/shm"
@@ -60,7 +60,12 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
     }
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # a fixed value also stops its dynamic growth
+        if mmap_threshold >= MMAP_OFF_BYTES:
+            # No mappings, no trimming: freed blocks (the logits too) are reused, not page-faulted anew.
+            env["MALLOC_MMAP_MAX_"] = "0"
+            env["MALLOC_TRIM_THRESHOLD_"] = str(MMAP_OFF_BYTES)
+        else:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # a fixed value also stops its dynamic growth
     return env
 
 

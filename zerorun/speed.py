@@ -16,7 +16,7 @@ run in lock-step, so one rank's time is the step's):
                there); NVMe: the optimizer states and gradients read and written each step
   optimizer    the optimizer's step over the rank's partition at its implementation's measured rate
   page_faults  CPU ranks: activations (again when recomputed) and weight gradients at or above the mmap
-               threshold are page-faulted in anew every micro-batch
+               threshold are page-faulted in anew every micro-batch (none with mmap off: all reused)
   bubble       pipeline: (stages - 1) idle micro-batch slots per step (1F1B)
 
 Communication is not assumed to overlap compute (it partly does on GPUs with overlap_comm): the ranking
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from .config import Dtype, OffloadDevice, Plan, RunConfig, TaskName
-from .config.rules import OptimizerImpl, mmap_threshold_bytes
+from .config.rules import MMAP_OFF_BYTES, OptimizerImpl, mmap_threshold_bytes
 from .memory.activations import DTYPE_BYTES, activations
 from .memory.buffers import ZERO0_ALLREDUCE_ELEMENTS
 from .memory.params import ParamBreakdown, param_breakdown
@@ -182,7 +182,8 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     per_micro["recompute"] = ((L * layer_flops / 3) / rate + L * full.per_layer / 2 / prof.activation_bytes_per_s) \
         / stages if cfg.trainer.activation_checkpointing else 0.0
     per_micro["overhead"] = prof.overhead_per_layer_s * (L / stages + 2)
-    if prof.first_touch_bytes_per_s and plan.world.accelerator == "cpu":
+    if prof.first_touch_bytes_per_s and plan.world.accelerator == "cpu" and threshold < MMAP_OFF_BYTES:
+        # (mmap off: every freed block is reused from the heap, nothing is faulted anew after the first step.)
         # Every activation above the threshold (a checkpointed forward still allocates them all, and the
         # recomputation makes each layer's again), and every weight gradient above it: autograd makes each
         # micro-batch's gradient anew before adding it to .grad or copying it into a bucket.

@@ -5,7 +5,8 @@ import dataclasses
 from helpers import CPU2, CPU_HOST, GPU8, A100_8, composed
 from zerorun import memory as M
 from zerorun.config import GateMode, World, make_plan
-from zerorun.config.rules import CPU_MMAP_THRESHOLD
+from zerorun.config import check
+from zerorun.config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
 from zerorun.hardware import GIB, Hardware, cgroup_headroom_bytes, mem_available_bytes
 from zerorun.launcher import LaunchPlan, build_command
 from zerorun.train.memory_report import compare_with_estimate, oom_lines
@@ -137,12 +138,22 @@ def test_auto_mmap_threshold_is_fast_only_with_room_to_spare():
     cfg = composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2")
     plan = make_plan(cfg, CPU2)
     roomy = Hardware("cpu", 0, 0, 64 * GIB, 1, 2, fp16_ok=False)
-    assert resolve_mmap_threshold(cfg, plan, roomy).launcher.mmap_threshold_mib == 32
-    fast = est(dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, mmap_threshold_mib=32)))
-    # Just enough host RAM for the fast setting's estimate, but not its 15% margin: the memory-saving one.
+    assert resolve_mmap_threshold(cfg, plan, roomy).launcher.mmap_threshold_mib == 0  # mmap off: the fastest
+    at = lambda mib: est(dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, mmap_threshold_mib=mib)))  # noqa: E731
+    fast = at(32)
+    assert at(0).per_rank_peak_bytes >= fast.per_rank_peak_bytes > at(1).per_rank_peak_bytes
+    # Just enough host RAM for the fast settings' estimate, but not its 15% margin: the memory-saving one.
     tight = dataclasses.replace(roomy, host_mem_bytes=int(fast.per_rank_peak_bytes * 2 * 1.10))
     assert resolve_mmap_threshold(cfg, plan, tight).launcher.mmap_threshold_mib == 1
     explicit = composed("+model=gpt2", "launcher.mmap_threshold_mib=32")
     assert resolve_mmap_threshold(explicit, plan, tight) is explicit
     _, env = build_command(LaunchPlan("torchrun", "/r", 2, "cpu", master_port=1, mmap_threshold=32 << 20))
-    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and "MALLOC_MMAP_MAX_" not in env
+    # 0: no mappings and no trimming, so nothing freed is page-faulted anew.
+    off = composed("+model=gpt2", "launcher.mmap_threshold_mib=0")
+    assert not [p for p in check(off, CPU2, libaio=True, writable=lambda p: None)
+                if "mmap_threshold" in str(p)]
+    _, env = build_command(LaunchPlan("torchrun", "/r", 2, "cpu", master_port=1,
+                                      mmap_threshold=mmap_threshold_bytes(0)))
+    assert env["MALLOC_MMAP_MAX_"] == "0" and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
+    assert "MALLOC_MMAP_THRESHOLD_" not in env

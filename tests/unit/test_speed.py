@@ -49,9 +49,13 @@ def test_smaller_micro_batches_cost_per_micro_batch_overhead_and_efficiency():
 
 
 def test_cpu_ranks_pay_page_faults_at_a_low_mmap_threshold():
-    fast = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=32", world=CPU2)
-    slow = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=1", world=CPU2)
-    assert slow.terms["page_faults"] > fast.terms.get("page_faults", 0)
+    # 1 MiB: every activation is mapped and faulted anew each micro-batch; 32: the larger ones (the logits);
+    # 0 (mmap off): none.
+    off = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=0", "data.seq_len=512", world=CPU2)
+    fast = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=32", "data.seq_len=512", world=CPU2)
+    slow = terms("+model=tiny-gpt2", "launcher.mmap_threshold_mib=1", "data.seq_len=512", world=CPU2)
+    assert slow.terms["page_faults"] > fast.terms["page_faults"] > off.terms.get("page_faults", 0) == 0
+    assert slow.seconds > fast.seconds > off.seconds
     assert "page_faults" not in terms(*GPT2).terms  # GPU ranks: their activations are not host pages
 
 

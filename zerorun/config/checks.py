@@ -33,10 +33,10 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
     problems += _monitor_problems(cfg.monitor.value)
     mmap = cfg.launcher.mmap_threshold_mib
-    if mmap is not None and not 1 <= mmap <= 32:
+    if mmap is not None and not 0 <= mmap <= 32:
         problems.append(UserError(f"launcher.mmap_threshold_mib={mmap}: glibc takes a fixed threshold up to 32 MiB "
                                   "(above, it keeps its own dynamic one, which the estimate does not model).",
-                                  "1 (memory-saving), 32 (fast), or leave it unset (auto).",
+                                  "0 (mmap off: fastest), 32 (fast), 1 (memory-saving), or leave it unset (auto).",
                                   key="launcher.mmap_threshold_mib", value=mmap))
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
         problems.append(UserError(f"deepspeed.optimizer with optimizer={cfg.optimizer.name.value}: zerorun builds "

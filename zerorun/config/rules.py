@@ -180,9 +180,19 @@ CPU_MMAP_THRESHOLD = 1 << 20
 """The memory-saving mmap threshold (``launcher.mmap_threshold_mib=1``): what the RSS estimate is validated
 at, and what an unresolved (auto) setting is estimated with."""
 FAST_MMAP_THRESHOLD_MIB = 32
-"""glibc's own ceiling for its dynamic threshold: activations stay on the heap, no page faults per step."""
+"""glibc's own ceiling for its dynamic threshold: activations stay on the heap, but a tensor above 32 MiB
+(GPT-2's logits and their gradient) still gets its own mapping and is page-faulted anew every step."""
+MMAP_OFF_MIB = 0
+"""``launcher.mmap_threshold_mib=0``: no block gets its own mapping and the heap is never trimmed
+(MALLOC_MMAP_MAX_=0): every freed block, the logits too, is reused by the next step. The fastest (1.09x the
+glibc default for the hand-written loop on GPT-2 4 × 256: 4x fewer page faults) and the most resident."""
+MMAP_OFF_BYTES = 1 << 62
+"""The threshold the estimates see for ``mmap_threshold_mib=0``: every tensor is below it, on the heap."""
 
 
 def mmap_threshold_bytes(mib) -> int:
-    """``launcher.mmap_threshold_mib`` in bytes; auto (None) until the gate resolves it counts as 1 MiB."""
+    """``launcher.mmap_threshold_mib`` in bytes; 0 (mmap off) is MMAP_OFF_BYTES; auto (None) until the gate
+    resolves it counts as 1 MiB."""
+    if mib == MMAP_OFF_MIB:
+        return MMAP_OFF_BYTES
     return (mib or 1) << 20

@@ -220,9 +220,10 @@ class LauncherConfig:
     """CPU ranks: glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_), fixed, in MiB. A freed block at least this
     large goes back to the OS; smaller ones stay on the heap. 1: up to ~1 GiB less peak RSS on GPT-2 small,
     but every activation of 1 MiB or more is page-faulted anew each step (1.5x slower steps measured on small
-    GPT-2s, benchmarks/throughput.py). 32 (glibc's own ceiling): fast. None (auto): 32 when the gate's
-    estimate at 32 fits with 15% to spare (the estimate is validated at 1 MiB; at 32 it erred by -6..+13%),
-    else 1. autofit may lower an explicit 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
+    GPT-2s, benchmarks/throughput.py). 32 (glibc's own ceiling): fast, but tensors above 32 MiB (the logits)
+    are still faulted anew. 0: mmap off, nothing trimmed: every freed block is reused (fastest, most resident).
+    None (auto): the first of 0, 32 whose estimate fits with 15% to spare, else 1. autofit may lower an
+    explicit 0 or 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
     stop_timeout_s: int = 110
     """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own

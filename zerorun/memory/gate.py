@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded,
                       small_bucket_sizes)
-from ..config.rules import FAST_MMAP_THRESHOLD_MIB
+from ..config.rules import FAST_MMAP_THRESHOLD_MIB, MMAP_OFF_MIB, mmap_threshold_bytes
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
@@ -135,7 +135,7 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "optimizer.autofit_8bit; the numerics change slightly)"))
         new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
     new_la = cfg.launcher
-    if k.low_mmap and (cfg.launcher.mmap_threshold_mib or 1) > 1:
+    if k.low_mmap and mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > 1 << 20:
         changes.append(Change("launcher.mmap_threshold_mib", cfg.launcher.mmap_threshold_mib, 1,
                               "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
                               "page faults make steps slower)"))
@@ -182,7 +182,7 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
         for opt8 in ([False, True] if may_8bit and layout.device != OffloadDevice.nvme else [False]):
             for small in ([False, True] if shrinkable else [False]):
                 for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
-                    for low in ([False, True] if world.accelerator == "cpu" and (cfg.launcher.mmap_threshold_mib or 1) > 1
+                    for low in ([False, True] if world.accelerator == "cpu" and mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > 1 << 20
                                 else [False]):
                         for micro in micros:
                             out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low))
@@ -295,9 +295,9 @@ FAST_MMAP_HEADROOM = 0.15
 
 def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration = DEFAULT_CALIBRATION
                            ) -> RunConfig:
-    """``launcher.mmap_threshold_mib`` auto (None) made concrete: the fast 32 MiB when the run fits there with
-    FAST_MMAP_HEADROOM to spare, else the memory-saving 1 MiB. GPU ranks: 1 (the setting only applies to CPU
-    ranks' activations; host allocations of GPU ranks are few)."""
+    """``launcher.mmap_threshold_mib`` auto (None) made concrete: the fastest setting the run fits at with
+    FAST_MMAP_HEADROOM to spare: 0 (mmap off), else 32 MiB, else the memory-saving 1 MiB. GPU ranks: 1 (the
+    setting only applies to CPU ranks' activations; host allocations of GPU ranks are few)."""
     if cfg.launcher.mmap_threshold_mib is not None:
         return cfg
 
@@ -306,10 +306,11 @@ def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibr
 
     if plan.world.accelerator != "cpu":
         return at(1)
-    fast = at(FAST_MMAP_THRESHOLD_MIB)
-    est = estimate(fast, plan, hw, cal=cal)
-    roomy = est.per_rank_peak_bytes * (1 + FAST_MMAP_HEADROOM) <= est.device_capacity_bytes and est.fits_host
-    return fast if roomy else at(1)
+    for mib in (MMAP_OFF_MIB, FAST_MMAP_THRESHOLD_MIB):
+        est = estimate(at(mib), plan, hw, cal=cal)
+        if est.per_rank_peak_bytes * (1 + FAST_MMAP_HEADROOM) <= est.device_capacity_bytes and est.fits_host:
+            return at(mib)
+    return at(1)
 
 
 def _describe(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
