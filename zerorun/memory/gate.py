@@ -290,7 +290,8 @@ def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Op
 
 FAST_MMAP_HEADROOM = 0.15
 """The RSS estimate is validated at a 1 MiB mmap threshold; at 32 MiB (activations on the heap) it erred by
--6% to +13% (benchmarks/rss_validation.py --set quick). The fast setting is only chosen with this to spare."""
+-6% to +13%, with mmap off (0) by -9.6% to +20% (benchmarks/rss_validation.py --set quick --mmap N). The fast
+settings are only chosen with this to spare."""
 
 
 def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration = DEFAULT_CALIBRATION
