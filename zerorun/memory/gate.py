@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded,
                       small_bucket_sizes)
-from ..config.rules import FAST_MMAP_THRESHOLD_MIB, MMAP_OFF_MIB, mmap_threshold_bytes
+from ..config.rules import CPU_MMAP_THRESHOLD, FAST_MMAP_THRESHOLD_MIB, MMAP_OFF_MIB, mmap_threshold_bytes
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
@@ -135,7 +135,7 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "optimizer.autofit_8bit; the numerics change slightly)"))
         new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
     new_la = cfg.launcher
-    if k.low_mmap and mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > 1 << 20:
+    if k.low_mmap and _mmap_lowerable(cfg):
         changes.append(Change("launcher.mmap_threshold_mib", cfg.launcher.mmap_threshold_mib, 1,
                               "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
                               "page faults make steps slower)"))
@@ -182,8 +182,7 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
         for opt8 in ([False, True] if may_8bit and layout.device != OffloadDevice.nvme else [False]):
             for small in ([False, True] if shrinkable else [False]):
                 for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
-                    for low in ([False, True] if world.accelerator == "cpu" and mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > 1 << 20
-                                else [False]):
+                    for low in ([False, True] if world.accelerator == "cpu" and _mmap_lowerable(cfg) else [False]):
                         for micro in micros:
                             out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low))
     return sorted(out, key=_ladder_rank)
@@ -286,6 +285,11 @@ def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Op
     found = autofit(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True)),
                     plan, hw, cal=cal)
     return [c.override() for c in found.changes] if found else None
+
+
+def _mmap_lowerable(cfg: RunConfig) -> bool:
+    """Whether the memory-saving 1 MiB threshold would hold less resident than the config's (0, 32 or auto)."""
+    return mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > CPU_MMAP_THRESHOLD
 
 
 FAST_MMAP_HEADROOM = 0.15
