@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig, TaskName
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .activations import DTYPE_BYTES, Activations, activations
@@ -54,6 +54,10 @@ class Calibration:
     cpu_zero_overhead_bytes: int = 32 * 2**20
     """CPU ranks at ZeRO ≥ 1: the ZeRO optimizer's start-up adds resident memory with no tensor behind it
     (+48 MiB at "built" on tiny GPT-2; 74-80 MiB overhead in all measured at ZeRO-1/2; §5.4)."""
+    cpu_16bit_loss_bytes_per_logit: int = 4
+    """CPU ranks, 16-bit causal LM: resident bytes per b·s·V logit beyond the tensors the loss holds (§3.5 counts
+    those). Measured, not explained at tensor level: tiny GPT-2 in bf16 ran 16 MiB (micro 4) and 30-46 MiB
+    (micro 8, ZeRO-2 + checkpointing) above the estimate without it, fp32 did not (benchmarks/rss_validation.py)."""
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
@@ -70,6 +74,7 @@ class Calibration:
 
 DEFAULT_CALIBRATION = Calibration()
 OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
+             "16-bit loss (CPU)",
              "heap retention", "measured correction (this machine)")
 
 
@@ -345,6 +350,9 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
         comps["allocator and runtime overhead"] = cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
+        if Dtype(cfg.precision.dtype) != Dtype.fp32 and plan.task == TaskName.causal_lm and not plan.pipeline:
+            comps["16-bit loss (CPU)"] = (cal.cpu_16bit_loss_bytes_per_logit * plan.micro_batch_size * plan.seq_len
+                                          * cfg.model.vocab_size)
         per_rank = sum(comps.values())
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"
