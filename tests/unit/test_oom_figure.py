@@ -4,8 +4,7 @@ import dataclasses
 
 from helpers import CPU2, CPU_HOST, GPU8, A100_8, composed
 from zerorun import memory as M
-from zerorun.config import GateMode, World, make_plan
-from zerorun.config import check
+from zerorun.config import GateMode, World, check, make_plan
 from zerorun.config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
 from zerorun.hardware import GIB, Hardware, cgroup_headroom_bytes, mem_available_bytes
 from zerorun.launcher import LaunchPlan, build_command

@@ -350,6 +350,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
         comps["allocator and runtime overhead"] = cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
+        # Not on pipelines: only the last stage holds the logits, and no 16-bit pipeline point measured it.
         if Dtype(cfg.precision.dtype) != Dtype.fp32 and plan.task == TaskName.causal_lm and not plan.pipeline:
             comps["16-bit loss (CPU)"] = (cal.cpu_16bit_loss_bytes_per_logit * plan.micro_batch_size * plan.seq_len
                                           * cfg.model.vocab_size)
