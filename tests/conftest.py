@@ -35,3 +35,14 @@ def _unit_tests_start_no_process(request, monkeypatch):
 def cache_dir(tmp_path_factory):
     """One tokenized-data cache for the whole session: runs after the first reuse it."""
     return tmp_path_factory.mktemp("zerorun-cache")
+
+
+@pytest.fixture(scope="session")
+def zero2_reference(tmp_path_factory, cache_dir):
+    """helpers.ZERO2_RUN, uninterrupted, once a session: the faults and the optimizer tests compare with it."""
+    from helpers import ZERO2_RUN, read_metrics, run_zerorun
+
+    run = tmp_path_factory.mktemp("reference") / "zero2"
+    proc = run_zerorun(ZERO2_RUN, run, cache_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return {"run": run, "metrics": read_metrics(run)}

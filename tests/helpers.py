@@ -66,11 +66,23 @@ def base_env(cache_dir: Path) -> dict:
     return env
 
 
+ZERO2_RUN = ["launcher.nproc_per_node=2", "trainer.max_steps=8", "trainer.micro_batch_size=4", "data.seq_len=64",
+             "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false",
+             "trainer.export=false", "zero=stage2"]
+"""The reference run several e2e modules compare with (the zero2_reference fixture runs it once a session)."""
+
+
+def quiet(args):
+    """``args`` without the end-of-run pictures unless a test asks for them (trainer.report): the sweep test
+    checks them; every other run would spend ~1 s of matplotlib on a picture nobody looks at."""
+    return [*args] if any(a.startswith("trainer.report=") for a in args) else [*args, "trainer.report=false"]
+
+
 def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra=None, cwd=None):
     """Run the real console script; returns the CompletedProcess (stdout+stderr merged)."""
     env = base_env(cache_dir)
     env.update(env_extra or {})
-    cmd = [str(BIN / "zerorun"), *args, f"hydra.run.dir={run_dir}"]
+    cmd = [str(BIN / "zerorun"), *quiet(args), f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, env=env, cwd=cwd or run_dir.parent, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout, start_new_session=True)
 
@@ -78,7 +90,7 @@ def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra
 def start_on_host(host, args, cwd: Path, cache_dir: Path, env_extra=None) -> subprocess.Popen:
     """``zerorun ARGS`` on a test host (tests/netns.py), as a user runs it on a node: its own data cache."""
     env = {**base_env(cache_dir), **host.env(), **(env_extra or {})}
-    return subprocess.Popen(host.argv([str(BIN / "zerorun"), *args]), env=env, cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen(host.argv([str(BIN / "zerorun"), *quiet(args)]), env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

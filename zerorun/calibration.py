@@ -50,10 +50,21 @@ def cache_file(cfg: RunConfig) -> Path:
 
 
 def load(path: Path) -> Dict[str, Dict[str, Any]]:
+    """The stored records; a damaged file (not JSON, or records of the wrong shape) reads as empty, so what it
+    held is measured again and the file rewritten whole (write_atomic), never trusted."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        records = json.loads(path.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError):
+        records = None
+    numbers = ("correction_bytes", "baseline_bytes", "measured_bytes", "estimated_bytes")
+    if not isinstance(records, dict) or not all(
+            isinstance(r, dict) and all(isinstance(r.get(k, 0), (int, float)) for k in numbers)
+            for r in records.values()):
+        print(f"zerorun: the calibration cache {path} is damaged: measuring again", file=sys.stderr)
+        return {}
+    return records
 
 
 def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibration:

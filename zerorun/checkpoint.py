@@ -13,15 +13,15 @@ truncated or missing shard) is reported by name and the previous complete one is
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .manifest import manifest, mismatch, write_durably
 
 LATEST = "zerorun_latest"
 COMPLETE = "COMPLETE"
@@ -29,20 +29,6 @@ COMPLETE = "COMPLETE"
 
 def tag_for(step: int) -> str:
     return f"global_step{step}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def complete_tags(root: Path) -> List[str]:
@@ -64,50 +50,59 @@ def latest_tag(root: Path) -> Optional[str]:
     return tags[-1] if tags else None
 
 
-def _digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def manifest(tag_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """Every file of a checkpoint (relative path → size, SHA-256), COMPLETE itself left out."""
-    return {str(p.relative_to(tag_dir)): {"bytes": p.stat().st_size, "sha256": _digest(p)}
-            for p in sorted(tag_dir.rglob("*")) if p.is_file() and p.name != COMPLETE}
-
-
-def _die_at(point: Optional[int], here: int) -> None:
-    """Test hook (ZERORUN_FAULT_SAVE_KILL): this rank dies here, as a node does, mid-save."""
-    if point == here:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_state: Dict[str, Any], rank: int,
          writer: bool, barrier: Callable[[], None], keep_last: int, world: Optional[Dict[str, int]] = None,
-         kill_point: Optional[int] = None) -> str:
+         at_point: Optional[Callable[[int], None]] = None) -> str:
+    """``at_point(k)`` is called at each numbered point of the save (tests kill or snapshot there)."""
     import torch
 
     tag = tag_for(step)
+    point = at_point or (lambda k: None)
     root.mkdir(parents=True, exist_ok=True)
-    _die_at(kill_point, 0)
+    point(0)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    _die_at(kill_point, 1)
+    point(1)
     torch.save(rng_state, root / tag / f"rng_rank{rank}.pt")
-    _die_at(kill_point, 2)
+    point(2)
     barrier()
     if writer:  # rank 0; with node-local checkpoints local rank 0 of each node, over that node's files
         marker = {"step": step, **client_state, "world": world or {},
                   "zero_stage": int(getattr(engine, "zero_optimization_stage", lambda: 0)()),
-                  "files": manifest(root / tag)}
-        _die_at(kill_point, 3)
-        _atomic_write(root / tag / COMPLETE, json.dumps(marker))
-        _die_at(kill_point, 4)
-        _atomic_write(root / LATEST, tag)
-        _die_at(kill_point, 5)
+                  "files": manifest(root / tag, leave_out=[COMPLETE])}
+        point(3)
+        write_durably(root / tag / COMPLETE, json.dumps(marker))
+        point(4)
+        write_durably(root / LATEST, tag)
+        point(5)
         if keep_last > 0:
             for old in complete_tags(root)[:-keep_last]:
                 shutil.rmtree(root / old, ignore_errors=True)
     barrier()
     return str(root / tag)
+
+
+def space_problem(root: Path, need: int, export_root: Path, export_need: int,
+                  free: Callable[[str], int]) -> Optional[str]:
+    """Why one more checkpoint (and the export, when it lands on the same disk) would not fit, or None.
+    ``free(path)``: free bytes on the filesystem holding path (hardware.free_disk_bytes)."""
+    def device(p: Path) -> int:
+        while not p.exists():
+            p = p.parent
+        return p.stat().st_dev
+
+    places = [(root, need, "trainer.checkpoint_dir", "one checkpoint")]
+    if export_need:
+        if device(export_root) == device(root):
+            places = [(root, need + export_need, "trainer.checkpoint_dir", "one checkpoint and the export")]
+        else:
+            places.append((export_root, export_need, "trainer.export_dir", "the export"))
+    gib = 2**30
+    for path, bytes_needed, key, what in places:
+        have = free(str(path))
+        if have < bytes_needed:
+            return (f"{path}: {have / gib:.2f} GiB free, {what} take(s) {bytes_needed / gib:.2f} GiB. Fix: free space "
+                    f"there, or point {key} at a larger disk.")
+    return None
 
 
 def marker(root: Path, tag: str) -> Dict[str, Any]:
@@ -126,16 +121,7 @@ def damage(root: Path, tag: str) -> Optional[str]:
     mark = marker(root, tag)
     if not mark:
         return f"{tag_dir / COMPLETE} is unreadable"
-    for rel, want in (mark.get("files") or {}).items():
-        path = tag_dir / rel
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != want["bytes"]:
-            return f"{path} is {size} bytes, the checkpoint wrote {want['bytes']} (truncated or replaced)"
-        if _digest(path) != want["sha256"]:
-            return f"{path} does not match the SHA-256 the checkpoint recorded (corrupted)"
-    return None
+    return mismatch(tag_dir, mark.get("files") or {})
 
 
 def load(engine, root: Path, tag: str, *, rank: int) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
@@ -202,5 +188,5 @@ def to_universal(root: Path, tag: str, out_root: Path, env: Dict[str, str]) -> P
     os.replace(partial, target)
     mark = {**marker(root, tag), "universal": True, "converted_from": str(root / tag)}
     mark["files"] = manifest(target)
-    _atomic_write(target / COMPLETE, json.dumps(mark))
+    write_durably(target / COMPLETE, json.dumps(mark))
     return out_root

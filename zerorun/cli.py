@@ -189,6 +189,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
     plan = make_plan(cfg, world)
+    _check_disk_space(cfg, plan, decision.estimate.params, run_dir)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "
         f"{world.size} rank(s) via {cfg.launcher.name.value}")
@@ -228,6 +229,17 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
                             master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes,
                             resume=resume)
+
+
+def _check_disk_space(cfg: RunConfig, plan: Plan, params: int, run_dir: RunDir) -> None:
+    """Refuse (exit 2) a run whose checkpoint (and export) would not fit where they go."""
+    from . import checkpoint, hardware
+    from .memory import checkpoint_bytes, export_bytes
+
+    problem = checkpoint.space_problem(run_dir.checkpoints_for(cfg), checkpoint_bytes(cfg, plan, params),
+                                       run_dir.export_for(cfg), export_bytes(cfg, params), hardware.free_disk_bytes)
+    if problem:
+        raise UserError(f"not enough disk space for the checkpoints: {problem}", key="trainer.checkpoint_dir")
 
 
 def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict], run_dir: RunDir) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from .rundir import write_atomic
 
@@ -20,6 +20,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1          # a rank failed and restarts (trainer.max_restarts) did not help or were not allowed
 EXIT_BAD_INPUT = 2       # config, data or the memory gate refused: nothing launched, nothing lost
 EXIT_OOM = 3             # out of memory at runtime after trainer.oom_retries recoveries
+EXIT_DISK_FULL = 74      # EX_IOERR: the disk filled while a checkpoint was written; the earlier one is intact
 EXIT_PREEMPTED = 75      # EX_TEMPFAIL: stopped by a signal, a complete checkpoint saved; resume with trainer.resume=true
 
 FAULTS_DIR = "faults"
@@ -40,6 +41,34 @@ def is_oom(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(s in text for s in (
         "out of memory", "can't allocate memory", "not enough memory", "CUDA error: out of memory"))
+
+
+class DiskFull(Exception):
+    """No space left while saving step ``step`` under ``path``; ``latest`` is the newest complete checkpoint."""
+
+    def __init__(self, path: str, step: int, latest: str, partial: str, cause: str):
+        self.path, self.step, self.latest, self.partial, self.cause = path, step, latest, partial, cause
+        newest = f"step {latest.replace('global_step', '')}" if latest else "none (nothing was saved before)"
+        super().__init__(f"disk full at {path} while saving step {step}; the newest complete checkpoint is {newest}")
+
+
+def is_disk_full(exc: BaseException, path: Path) -> bool:
+    """ENOSPC (or a quota), as an OSError or inside torch.save's RuntimeError ("file write failed"), or any
+    failed write on a filesystem with less than 1 MiB left."""
+    import errno
+    import shutil
+
+    seen: Optional[BaseException] = exc
+    while seen is not None:  # the chain: torch and DeepSpeed re-raise
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
 
 
 def record(run_dir: Path, rank: int, kind: str, **info: Any) -> Path:

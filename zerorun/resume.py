@@ -28,19 +28,27 @@ def find(cfg: RunConfig, world: World, run_dir: RunDir, say: Callable[[str], Non
          ) -> Tuple[RunConfig, Optional[dict]]:
     """With trainer.resume: the newest complete checkpoint whose files match their manifest (damaged ones
     are named and passed over), and the config changes OOM recoveries of that run made, applied again."""
-    if not cfg.trainer.resume:
+    tr = cfg.trainer
+    if not (tr.resume or tr.resume_from):
+        guard_earlier_checkpoints(cfg, run_dir, say)
         return cfg, None
     found, skipped = checkpoint.resume_point(candidates(cfg, run_dir.path))
     for why in skipped:
         say(f"passing over a damaged checkpoint: {why}")
     if not found:
-        where = cfg.trainer.resume_from or f"{run_dir.path} or earlier runs in {run_dir.path.parent}"
         if skipped:
             raise UserError(f"no checkpoint to resume from is intact: {skipped[-1]}.",
                             "restore the file, resume_from an earlier run, or drop trainer.resume to start over.",
                             key="trainer.resume_from")
-        raise UserError(f"trainer.resume=true but no complete checkpoint was found in {where}.",
-                        "trainer.resume_from=<run dir>, or drop trainer.resume.", key="trainer.resume_from")
+        if tr.resume_from:  # named: the user believes it is there, so starting over would mislead them
+            raise UserError(f"trainer.resume_from={tr.resume_from}: no complete checkpoint was found there.",
+                            "name a run dir or checkpoint dir holding a complete checkpoint (a global_stepN with "
+                            "COMPLETE), or drop trainer.resume_from to start over.", key="trainer.resume_from",
+                            value=tr.resume_from)
+        # The requeue idiom: `trainer.resume=true` on every submission, the first one has nothing yet.
+        say(f"trainer.resume=true: no complete checkpoint in {run_dir.path} or earlier runs of {cfg.name}: "
+            "starting from step 0")
+        return cfg, None
     root, tag = found
     say(f"resuming from {root / tag}")
     source = root.parent if root.name == "checkpoints" else root
@@ -53,6 +61,26 @@ def find(cfg: RunConfig, world: World, run_dir: RunDir, say: Callable[[str], Non
                 run_dir.append_recovery({**event, "run_dir": str(source)})
     resume = {"checkpoint_dir": str(root.resolve()), "tag": tag}
     return cfg, for_this_world(cfg, world, root, tag, resume, run_dir, say)
+
+
+def guard_earlier_checkpoints(cfg: RunConfig, run_dir: RunDir, say: Callable[[str], None]) -> None:
+    """A fresh run into a dir that holds an earlier run's complete checkpoints would overwrite them: refused
+    (exit 2) unless trainer.overwrite=true, which deletes them first (HF Trainer's output_dir guard)."""
+    root = run_dir.checkpoints_for(cfg)
+    tags = checkpoint.complete_tags(root)
+    if not tags:
+        return
+    if not cfg.trainer.overwrite:
+        raise UserError(f"{root} already holds {len(tags)} complete checkpoint(s) of an earlier run (newest "
+                        f"{tags[-1]}), and this run would overwrite them.",
+                        "trainer.resume=true to continue that run, or a new hydra.run.dir (or "
+                        "trainer.checkpoint_dir), or trainer.overwrite=true to delete them and start over.",
+                        key="trainer.resume", value=False)
+    if not cfg.dry_run:
+        import shutil
+
+        say(f"trainer.overwrite=true: deleting the earlier run's checkpoints in {root} ({', '.join(tags)})")
+        shutil.rmtree(root)
 
 
 def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: dict, run_dir: RunDir,

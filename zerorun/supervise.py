@@ -52,6 +52,8 @@ class Ended:
             return "completed"
         if "preflight" in kinds:
             return "preflight"
+        if "disk_full" in kinds:  # before a signal: the launcher's teardown of the other ranks looks like one
+            return "disk_full"
         if "preempted" in kinds or self.signalled:  # the node is going away: no relaunch here
             return "preempted"
         if "oom" in kinds:
@@ -79,6 +81,12 @@ def decide(launch: Launch, ended: Ended, history: List[Dict[str, Any]]) -> Verdi
         rec = next(r for r in ended.records if r.get("kind") == "preflight")
         return Verdict("stop", faults.EXIT_BAD_INPUT, "the nodes differ: " + " | ".join(rec.get("problems", []))
                        + ". Install the same software and pass the same overrides and data on every node")
+    if kind == "disk_full":
+        rec = next(r for r in ended.records if r.get("kind") == "disk_full")
+        newest = f"step {rec['latest'].replace('global_step', '')}" if rec.get("latest") else "none"
+        return Verdict("stop", faults.EXIT_DISK_FULL, f"disk full at {rec.get('path')} while saving step "
+                       f"{rec.get('step')}; the newest complete checkpoint is {newest}. Free space there (or point "
+                       "trainer.checkpoint_dir at a larger disk), then rerun with trainer.resume=true")
     if kind == "preempted":
         return Verdict("stop", faults.EXIT_PREEMPTED, "stopped by a signal; rerun the same command with "
                        "trainer.resume=true to continue from the checkpoint")
@@ -203,7 +211,7 @@ def _attempts(first: Launch, run_dir: RunDir, relaunch: Callable[[RunConfig, Opt
 
 
 def _event(attempt: int, ended: Ended, verdict: Verdict, launch: Launch) -> Dict[str, Any]:
-    kind = {"oom": "oom", "preempted": "preempted"}.get(ended.kind(), "restart" if verdict.action == "relaunch"
+    kind = {"oom": "oom", "preempted": "preempted", "disk_full": "disk_full"}.get(ended.kind(), "restart" if verdict.action == "relaunch"
                                                         else "failed")
     rec = next((r for r in ended.records if r.get("kind") == ended.kind()), {})
     event = {"kind": kind, "attempt": attempt, "time": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -3,6 +3,7 @@ and a real allocator failure under an address-space limit), preemption by a sign
 max_restarts, a kill at every point of a checkpoint save, damaged checkpoints."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -10,23 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, base_env, read_metrics, run_zerorun
+from helpers import BIN, ZERO2_RUN, base_env, quiet, read_metrics, run_zerorun
 from zerorun import checkpoint
 
 pytestmark = pytest.mark.e2e
 
-RUN = ["launcher.nproc_per_node=2", "trainer.max_steps=8", "trainer.micro_batch_size=4", "data.seq_len=64",
-       "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false",
-       "trainer.export=false", "zero=stage2"]
+RUN = ZERO2_RUN
 OOM_EXIT, PREEMPTED_EXIT = 3, 75
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, cache_dir):
-    run = tmp_path_factory.mktemp("faults") / "baseline"
-    proc = run_zerorun(RUN, run, cache_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return {"run": run, **{m["step"]: m for m in read_metrics(run)}}
+def baseline(zero2_reference):
+    return {"run": zero2_reference["run"], **{m["step"]: m for m in zero2_reference["metrics"]}}
 
 
 def summary(run):
@@ -76,7 +72,7 @@ def test_a_real_allocation_failure_is_recovered(tmp_path, cache_dir):
 
 def _start(args, run, cache_dir):
     env = base_env(cache_dir)
-    return subprocess.Popen([str(BIN / "zerorun"), *args, f"hydra.run.dir={run}"], env=env, cwd=run.parent,
+    return subprocess.Popen([str(BIN / "zerorun"), *quiet(args), f"hydra.run.dir={run}"], env=env, cwd=run.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -154,46 +150,62 @@ def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, cache_dir
                        env_extra={"ZERORUN_FAULT_KILL": "1:5"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "restarting in 0 s (restart 1 of 1)" in proc.stdout and "completed after 1 restart" in proc.stdout
+    assert "resuming from" in proc.stdout and summary(run)["resumed_from_step"] == 4
     events = summary(run)["recoveries"]
     assert [e["kind"] for e in events] == ["restart"] and events[0]["step"] == 5
     got = read_metrics(run)
     assert [m["step"] for m in got] == list(range(1, 9))
-    assert all(m["loss"] == baseline[m["step"]]["loss"] for m in got)
+    assert all(m["loss"] == baseline[m["step"]]["loss"] for m in got)  # bit-identical: RNG and data position restored
+    assert all(m["lr"] == baseline[m["step"]]["lr"] for m in got)
 
 
-KILL_POINTS = [(1, 0), (1, 1), (1, 2), (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 1)]
+KILL_POINTS = [(1, 0), (1, 1), (1, 2), (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5)]
+SHORT = [*RUN[:1], "trainer.max_steps=4", *RUN[2:]]
 
 
-def test_a_kill_at_any_point_of_a_save_never_leaves_a_checkpoint_resume_would_trust(tmp_path, cache_dir):
-    short = [*RUN[:1], "trainer.max_steps=4", *RUN[2:]]
-    for i, (rank, point) in enumerate(KILL_POINTS):
-        run = tmp_path / f"kill{i}"
-        proc = run_zerorun(short, run, cache_dir, env_extra={"ZERORUN_FAULT_SAVE_KILL": f"{rank}:4:{point}"})
-        assert proc.returncode != 0, f"rank {rank} killed at save point {point} must fail the run"
-        found, skipped = checkpoint.resume_point([run])
-        # Until COMPLETE and the pointer are written the step-4 save is not resumed from; after, it is whole.
-        assert found == (run / "checkpoints", "global_step4" if rank == 0 and point >= 5 else "global_step2")
-        assert skipped == []
-    proc = run_zerorun([*short, "trainer.resume=true"], tmp_path / "kill0", cache_dir)
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, cache_dir):
+    """A 4-step run (saves at 2 and 4) that snapshots its checkpoint dir at every point of the step-4 save on
+    each rank: what a kill there would leave (ZERORUN_FAULT_SAVE_SNAPSHOT)."""
+    root = tmp_path_factory.mktemp("saves")
+    proc = run_zerorun(SHORT, root / "run", cache_dir, env_extra={"ZERORUN_FAULT_SAVE_SNAPSHOT": f"4:{root / 'snap'}"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return root
+
+
+@pytest.mark.parametrize("rank,point", KILL_POINTS)
+def test_a_kill_at_any_point_of_a_save_never_leaves_a_checkpoint_resume_would_trust(saved_run, rank, point):
+    snap = saved_run / "snap" / f"rank{rank}-point{point}"
+    found, skipped = checkpoint.resume_point([snap])
+    # Until COMPLETE and the pointer are written the step-4 save is not resumed from; after, it is whole.
+    assert found == (snap / "checkpoints", "global_step4" if rank == 0 and point >= 5 else "global_step2")
+    assert skipped == []
+
+
+def test_a_rank_killed_mid_save_fails_the_run_and_the_run_resumes(tmp_path, cache_dir):
+    run = tmp_path / "killed"
+    proc = run_zerorun(SHORT, run, cache_dir, env_extra={"ZERORUN_FAULT_SAVE_KILL": "0:4:3"})  # before COMPLETE
+    assert proc.returncode != 0, "rank 0 killed at save point 3 must fail the run"
+    assert checkpoint.resume_point([run]) == ((run / "checkpoints", "global_step2"), [])
+    proc = run_zerorun([*SHORT, "trainer.resume=true"], run, cache_dir)
     assert proc.returncode == 0 and "resuming from" in proc.stdout and "global_step2" in proc.stdout
 
 
-def test_damaged_checkpoints_are_named_passed_over_or_refused(tmp_path, cache_dir):
+def test_damaged_checkpoints_are_named_passed_over_or_refused(tmp_path, cache_dir, saved_run):
     run = tmp_path / "damaged"
-    assert run_zerorun([*RUN[:1], "trainer.max_steps=4", *RUN[2:]], run, cache_dir).returncode == 0
+    shutil.copytree(saved_run / "run", run)
     root = run / "checkpoints"
     shard = next((root / "global_step4").glob("*optim_states.pt"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     shard.write_bytes(bytes(data))
-    dry = run_zerorun([*RUN[:1], "trainer.max_steps=4", *RUN[2:], "trainer.resume=true", "dry_run=true"],
-                      run, cache_dir)
+    dry = run_zerorun([*SHORT, "trainer.resume=true", "dry_run=true"], run, cache_dir)
     assert dry.returncode == 0, dry.stdout[-2000:]
     assert f"passing over a damaged checkpoint: {shard} does not match the SHA-256" in dry.stdout
     assert json.loads((run / "resume.json").read_text())["tag"] == "global_step2"
 
     (root / "global_step2" / "mp_rank_00_model_states.pt").unlink()  # and the previous one loses a shard
-    refused = run_zerorun([*RUN[:1], "trainer.max_steps=4", *RUN[2:], "trainer.resume=true"], run, cache_dir)
+    refused = run_zerorun([*SHORT, "trainer.resume=true"], run, cache_dir)
     assert refused.returncode == 2
     errors = [line for line in refused.stdout.splitlines() if "error:" in line]
     assert len(errors) == 1 and "mp_rank_00_model_states.pt is missing" in errors[0], refused.stdout[-2000:]

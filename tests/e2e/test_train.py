@@ -3,6 +3,7 @@
 Each run asserts that the loss falls, the run dir is complete, the rendered JSON is what was
 asked for, and the exported Hugging Face model reproduces the engine's logits.
 """
+import csv
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from helpers import (assert_export_matches_engine, assert_loss_falls, assert_model_states_match_estimate,
-                     assert_run_dir_complete, run_zerorun)
+                     assert_run_dir_complete, read_metrics, run_zerorun)
 
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +25,10 @@ def _fp16_supported() -> bool:
 
 
 MATRIX = [
-    pytest.param(["zero=stage0", "launcher=deepspeed"], id="zero0-fp32-deepspeed"),
-    pytest.param(["zero=stage1", "launcher=torchrun"], id="zero1-fp32-torchrun"),
+    # monitor=tensorboard|csv ride along: DeepSpeed's own monitors write the loss series metrics.jsonl has.
+    pytest.param(["zero=stage0", "launcher=deepspeed", "monitor=tensorboard", "trainer.eval_every=2"],
+                 id="zero0-fp32-deepspeed-tensorboard"),
+    pytest.param(["zero=stage1", "launcher=torchrun", "monitor=csv"], id="zero1-fp32-torchrun-csv"),
     pytest.param(["zero=stage2", "precision=bf16"], id="zero2-bf16-deepspeed"),
     pytest.param(["zero=stage3", "launcher=torchrun"], id="zero3-fp32-torchrun"),
     pytest.param(["zero=stage2", "offload=cpu"], id="zero2-offload-cpu"),
@@ -55,6 +58,8 @@ def test_two_rank_fine_tune(tmp_path, cache_dir, overrides):
                 assert ds["zero_optimization"]["offload_param"]["device"] == value
         if key == "precision" and value != "fp32":
             assert ds[value]["enabled"] is True
+        if key == "monitor":
+            check_monitor(run_dir, value, metrics)
         if key == "launcher":
             assert (run_dir / "command.sh").read_text().split()[-1] == str(run_dir)
             assert f"/{value} " in (run_dir / "command.sh").read_text()
@@ -74,3 +79,25 @@ def test_two_rank_fine_tune(tmp_path, cache_dir, overrides):
             assert abs(states - 12 * part) <= 0.01 * 12 * part, (rank, states, 12 * part, files)
     else:
         assert checked >= 2, summary["peak_memory"][0]["model_state_bytes"]
+
+
+def check_monitor(run, monitor, metrics):
+    """DeepSpeed's monitor files under <run dir>/monitor hold the loss series of metrics.jsonl, read back with
+    TensorBoard's own reader (float32 in the event file) or as the CSV monitor's rows."""
+    if monitor == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        logdirs = {p.parent for p in (run / "monitor").rglob("events.out.tfevents.*")}
+        assert len(logdirs) == 1, logdirs
+        acc = EventAccumulator(str(logdirs.pop()))
+        acc.Reload()
+        tags = acc.Tags()["scalars"]
+        assert {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/val_loss"} <= set(tags), tags
+        losses = [e.value for e in acc.Scalars("Train/Samples/train_loss")]
+        assert losses == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+        assert len(acc.Scalars("Train/Samples/val_loss")) == 3  # steps 2, 4, 6 (the final one is in summary.json)
+    else:
+        files = list((run / "monitor").rglob("*train_loss*.csv"))
+        assert len(files) == 1, list((run / "monitor").rglob("*"))
+        rows = list(csv.reader(files[0].open()))
+        assert [float(r[1]) for r in rows[1:]] == pytest.approx([m["loss"] for m in read_metrics(run)], rel=1e-9)

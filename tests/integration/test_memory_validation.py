@@ -1,6 +1,6 @@
 """zerorun.memory's estimate against real CPU measurements (docs/memory.md §8), over the validation matrix.
 
-One subprocess (``python benchmarks/memory_harness.py``: DS_ACCELERATOR=cpu, gloo, world size 1, a free
+Two subprocesses, one per model family (``python benchmarks/memory_harness.py``: DS_ACCELERATOR=cpu, gloo, world size 1, a free
 MASTER_PORT, one thread) measures, and this process compares with the estimate (pure arithmetic):
 
 - Activations on a plain HF model: tiny-gpt2 and tiny-bert (micro-batch 4) × fp32/bf16 × checkpointing
@@ -14,7 +14,7 @@ MASTER_PORT, one thread) measures, and this process compares with the estimate (
   read from the engine, and the peaks of live tensor bytes in init, forward+backward and the optimizer
   step. TOTAL is the largest of the three: what the estimator's allocator peak predicts.
 
-Byte counts are deterministic; nothing here is timed. About 2.5 minutes on an idle 2-core machine, plus
+Byte counts are deterministic; nothing here is timed. About 1.5 minutes on an idle 2-core machine (the two shards in parallel), plus
 once per venv DeepSpeed's cpu_adam JIT build for offload (1–3 minutes; cached under
 ~/.cache/zerorun/torch_extensions). ``pytest -s`` prints the tables; they are also written to
 <pytest tmp>/memory-validation/validation.txt.
@@ -45,18 +45,23 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 def validation(tmp_path_factory):
     """Measure once (subprocess), compare with the estimate here; print and save the tables."""
     out_dir = tmp_path_factory.mktemp("memory-validation")
-    raw = out_dir / "measurements.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error")
     env.setdefault("TORCH_EXTENSIONS_DIR", MM.extensions_dir())
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_harness.py"), "--out", str(raw)],
-                          cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1100,
-                          start_new_session=True)
+    # The harness runs one thread: one process per model family keeps both cores busy (half the wall time).
+    shards = [(tiny, real, out_dir / f"measurements-{tiny}.json") for tiny, real in zip(MM.TINY_MODELS, MM.REAL_MODELS)]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "memory_harness.py"), "--out", str(raw),
+                               "--tiny", tiny, "--real", real], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for tiny, real, raw in shards]
+    outputs = [p.communicate(timeout=1100)[0] for p in procs]
     elapsed = time.perf_counter() - t0
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    data = json.loads(raw.read_text())
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-5000:]
+    parts = [json.loads(raw.read_text()) for _, _, raw in shards]
+    data = {**parts[0], "activations": [r for d in parts for r in d["activations"]],
+            "engines": [r for d in parts for r in d["engines"]]}
     lines, accuracy, rows = MM.report(data, elapsed)
     text = "\n".join(lines)
     (out_dir / "validation.txt").write_text(text + "\n")

@@ -5,9 +5,12 @@ zerorun.hardware and which callers (tests) can pass in.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional
 
 from .errors import UserError
+from .fields import field_problems, with_defaults_for
+from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
 from .rules import offload_problems, optimizer_problems, pipeline_problems, resolve_task, task_problems
 from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
@@ -23,21 +26,15 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     from .. import hardware
 
     P = UserError
+    declared = field_problems(cfg)  # each field's own range (schema.py), then the rules between fields
+    cfg = with_defaults_for(cfg, declared)  # so those rules never meet an out-of-range value
+    world = dataclasses.replace(world, nproc_per_node=max(1, world.nproc_per_node), nnodes=max(1, world.nnodes))
     problems: List[UserError] = []
     z, off, prec, tr, m = cfg.zero, cfg.offload, cfg.precision, cfg.trainer, cfg.model
 
-    if z.stage not in (0, 1, 2, 3):
-        problems.append(P(f"zero.stage={z.stage}: ZeRO has stages 0-3.", "zero=stage0|stage1|stage2|stage3.",
-                          key="zero.stage", value=z.stage))
     problems += offload_problems(z.stage, off.device, off.params)
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
     problems += _monitor_problems(cfg.monitor.value)
-    mmap = cfg.launcher.mmap_threshold_mib
-    if mmap is not None and not 0 <= mmap <= 32:
-        problems.append(UserError(f"launcher.mmap_threshold_mib={mmap}: glibc takes a fixed threshold up to 32 MiB "
-                                  "(above, it keeps its own dynamic one, which the estimate does not model).",
-                                  "0 (mmap off: fastest), 32 (fast), 1 (memory-saving), or leave it unset (auto).",
-                                  key="launcher.mmap_threshold_mib", value=mmap))
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
         problems.append(UserError(f"deepspeed.optimizer with optimizer={cfg.optimizer.name.value}: zerorun builds "
                                   "that optimizer itself, and DeepSpeed refuses both.",
@@ -48,29 +45,11 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
             problems.append(P("offload=nvme: libaio is not installed, DeepSpeed's async I/O op cannot build.",
                               "apt-get install libaio-dev (Debian/Ubuntu), or offload=cpu.", key="offload.device",
                               value="nvme"))
-        reason = (writable or hardware.writable_dir_problem)(off.nvme_path) if off.nvme_path else None
-        if reason:
-            problems.append(P(f"offload.nvme_path={off.nvme_path}: not a writable directory ({reason}).",
-                              "point it at a directory on a local NVMe disk you can write to.",
-                              key="offload.nvme_path", value=off.nvme_path))
+    problems += path_problems(cfg, writable or hardware.writable_dir_problem)
     problems += _precision_problems(cfg, world)
 
-    for key, value in (("trainer.max_steps", tr.max_steps), ("trainer.micro_batch_size", tr.micro_batch_size),
-                       ("data.seq_len", cfg.data.seq_len)):
-        if value < 1:
-            problems.append(P(f"{key}={value}: must be at least 1.", key=key, value=value))
-    if tr.lr <= 0:
-        problems.append(P(f"trainer.lr={tr.lr}: must be positive.", "e.g. trainer.lr=3e-4.", key="trainer.lr",
-                          value=tr.lr))
-    if tr.save_every < 0:
-        problems.append(P(f"trainer.save_every={tr.save_every}: must be 0 (only at the end) or a positive step "
-                          "count.", key="trainer.save_every", value=tr.save_every))
-    if not 0 <= cfg.data.val_fraction < 1:
-        problems.append(P(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1).", key="data.val_fraction",
-                          value=cfg.data.val_fraction))
-
     dp = data_parallel_size(cfg, world)
-    if tr.global_batch_size is not None and tr.micro_batch_size >= 1:
+    if tr.global_batch_size is not None:
         per_step = tr.micro_batch_size * dp
         if tr.global_batch_size < per_step or tr.global_batch_size % per_step:
             fit = max(1, tr.global_batch_size // per_step) * per_step
@@ -80,9 +59,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                 f"trainer.global_batch_size={fit}, or a micro_batch_size that divides it.",
                 key="trainer.global_batch_size", value=tr.global_batch_size))
 
-    if m.num_layers < 1 or m.hidden_size < 1 or m.num_heads < 1:
-        problems.append(P(f"model {m.name}: num_layers, hidden_size and num_heads must be positive.", key="model"))
-    elif m.hidden_size % m.num_heads:
+    if m.hidden_size % m.num_heads:
         problems.append(P(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.",
                           "choose heads that divide the hidden size.", key="model.num_heads", value=m.num_heads))
     if cfg.data.seq_len > m.max_positions:
@@ -95,7 +72,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     if cfg.parallel.mode == ParallelMode.pipeline:
         problems += pipeline_problems(z.stage) + _pipeline_problems(cfg, world)
     problems += _deepspeed_override_problems(cfg.deepspeed, prec.dtype)
-    return problems
+    return problems + declared
 
 
 def _precision_problems(cfg: RunConfig, world: World) -> List[UserError]:
@@ -108,39 +85,19 @@ def _precision_problems(cfg: RunConfig, world: World) -> List[UserError]:
         out.append(P(f"precision.loss_scale={prec.loss_scale} with precision={prec.dtype.value}: loss scaling is "
                      "for fp16 only.", "precision=fp16, or drop precision.loss_scale.", key="precision.loss_scale",
                      value=prec.loss_scale))
-    if prec.loss_scale < 0:
-        out.append(P(f"precision.loss_scale={prec.loss_scale}: must be 0 (dynamic) or a positive static scale.",
-                     key="precision.loss_scale", value=prec.loss_scale))
-    if prec.dtype == Dtype.fp16:
-        # The dynamic scaler's knobs: each is a count or an exponent, so each has a floor.
-        if prec.min_loss_scale <= 0:
-            out.append(P(f"precision.min_loss_scale={prec.min_loss_scale}: must be > 0.",
-                         "precision.min_loss_scale=1.", key="precision.min_loss_scale", value=prec.min_loss_scale))
-        if not 0 <= prec.initial_scale_power <= 32:
-            out.append(P(f"precision.initial_scale_power={prec.initial_scale_power}: the dynamic loss scale starts at "
-                         "2**initial_scale_power and must be in [0, 32].", "precision.initial_scale_power=16.",
-                         key="precision.initial_scale_power", value=prec.initial_scale_power))
-        for key, value in (("loss_scale_window", prec.loss_scale_window), ("hysteresis", prec.hysteresis)):
-            if value < 1:
-                out.append(P(f"precision.{key}={value}: must be at least 1.", key=f"precision.{key}", value=value))
     return out
 
 
 def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
     P, la, out = UserError, cfg.launcher, []
-    if world.nproc_per_node < 1:
-        out.append(P(f"launcher.nproc_per_node={world.nproc_per_node}: must be at least 1.",
-                     key="launcher.nproc_per_node", value=world.nproc_per_node))
-    if la.nnodes < 1:
-        out.append(P(f"launcher.nnodes={la.nnodes}: must be at least 1.", key="launcher.nnodes", value=la.nnodes))
-    elif not 0 <= la.node_rank < la.nnodes:
+    if not la.node_rank < la.nnodes:
         out.append(P(f"launcher.node_rank={la.node_rank}: must be in [0, launcher.nnodes={la.nnodes}).",
                      key="launcher.node_rank", value=la.node_rank))
     if la.rdzv == Rendezvous.c10d and (la.name != LauncherName.torchrun or la.nnodes < 2):
         out.append(P(f"launcher.rdzv=c10d is torchrun's rendezvous for several nodes (launcher={la.name.value}, "
                      f"launcher.nnodes={la.nnodes}).", "launcher=torchrun launcher.nnodes=<nodes>, or "
                      "launcher.rdzv=static.", key="launcher.rdzv", value=la.rdzv.value))
-    if la.min_nnodes is not None and not 1 <= la.min_nnodes <= la.nnodes:
+    if la.min_nnodes is not None and la.min_nnodes > la.nnodes:
         out.append(P(f"launcher.min_nnodes={la.min_nnodes}: must be in [1, launcher.nnodes={la.nnodes}].",
                      f"launcher.min_nnodes={max(1, la.nnodes - 1)}", key="launcher.min_nnodes", value=la.min_nnodes))
     if la.hostfile:
@@ -160,7 +117,7 @@ def _launcher_problems(cfg: RunConfig, world: World) -> List[UserError]:
 
 def _pipeline_problems(cfg: RunConfig, world: World) -> List[UserError]:
     P, par, out = UserError, cfg.parallel, []
-    if par.stages < 1 or world.size % par.stages:
+    if world.size % par.stages:
         best = max(d for d in range(1, world.size + 1) if world.size % d == 0 and d <= max(1, par.stages))
         out.append(P(f"parallel.stages={par.stages} does not divide the world size {world.size} ({world.nnodes} "
                      f"node(s) × {world.nproc_per_node} rank(s)).", f"parallel.stages={best}, or a rank count "
@@ -169,10 +126,7 @@ def _pipeline_problems(cfg: RunConfig, world: World) -> List[UserError]:
         out.append(P(f"parallel.stages={par.stages} exceeds the {cfg.model.num_layers} transformer layers of "
                      f"{cfg.model.name}: some stage would hold no layer.",
                      f"parallel.stages={cfg.model.num_layers} or fewer.", key="parallel.stages", value=par.stages))
-    if par.micro_batches < 0:
-        out.append(P(f"parallel.micro_batches={par.micro_batches}: must be 0 (derived) or positive.",
-                     key="parallel.micro_batches", value=par.micro_batches))
-    elif par.stages >= 1 and world.size % par.stages == 0:
+    if world.size % par.stages == 0:
         accum = grad_accum_steps(cfg, world)
         if par.micro_batches and cfg.trainer.global_batch_size and accum != par.micro_batches:
             out.append(P(f"parallel.micro_batches={par.micro_batches} disagrees with trainer.global_batch_size="

@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from .fields import PathKind, num, path_field, text
+
 
 class OffloadDevice(str, enum.Enum):
     none = "none"
@@ -94,26 +96,26 @@ class TaskName(str, enum.Enum):
 
 @dataclass
 class ZeroConfig:
-    stage: int = 0
+    stage: int = num(0, ge=0, le=3)
     """ZeRO stage 0-3: what is partitioned across data-parallel ranks (0 nothing, 1 optimizer
     states, 2 + gradients, 3 + parameters)."""
-    reduce_bucket_size: Optional[int] = None
+    reduce_bucket_size: Optional[int] = num(None, ge=1)
     """Elements per gradient-reduce bucket, one collective each. None: DDP's 25 MiB of gradients, capped at
     the model's parameter count (config/plan.py bucket_sizes); DeepSpeed's own default of 5e8 costs ~1 GiB
     in 16-bit, HF's "auto" (hidden²) ~150 collectives per micro-batch for GPT-2 small."""
-    allgather_bucket_size: Optional[int] = None
+    allgather_bucket_size: Optional[int] = num(None, ge=1)
     """Elements per all-gather bucket (stage 1-2). None: as reduce_bucket_size."""
     overlap_comm: bool = False
     """Overlap gradient reduction with backward. Costs extra bucket buffers (4.5x the bucket)."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
-    stage3_prefetch_bucket_size: Optional[int] = None
+    stage3_prefetch_bucket_size: Optional[int] = num(None, ge=0)
     """Stage 3: elements prefetched ahead of use. None: 0.9·hidden²."""
-    stage3_param_persistence_threshold: Optional[int] = None
+    stage3_param_persistence_threshold: Optional[int] = num(None, ge=0)
     """Stage 3: parameters smaller than this stay whole on every rank. None: 10·hidden."""
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: int = num(1_000_000_000, ge=1)
     """Stage 3: upper bound of gathered parameters alive at once."""
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_reuse_distance: int = num(1_000_000_000, ge=0)
     """Stage 3: keep a gathered parameter if it is reused within this many elements."""
 
 
@@ -123,7 +125,7 @@ class OffloadConfig:
     """Where optimizer states (and with ZeRO-3, parameters) live: none (accelerator), cpu, nvme."""
     params: Optional[bool] = None
     """Offload parameters too (ZeRO-3 only). None: yes with ZeRO-3; true below stage 3 is refused."""
-    nvme_path: str = ""
+    nvme_path: str = path_field(PathKind.out_dir)
     """Directory for NVMe offload swap files. Empty: <run dir>/nvme_swap."""
     pin_memory: bool = True
     """Pin host buffers: faster transfers, but pinned RAM cannot be swapped out."""
@@ -133,15 +135,15 @@ class OffloadConfig:
 class PrecisionConfig:
     dtype: Dtype = Dtype.fp32
     """Training precision of the module: fp32, fp16 (loss-scaled) or bf16."""
-    loss_scale: float = 0.0
+    loss_scale: float = num(0.0, ge=0)
     """fp16 only: 0 selects dynamic loss scaling; a positive value is a static scale."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = num(16, ge=0, le=32)
     """fp16 dynamic scaling starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
+    loss_scale_window: int = num(1000, ge=1)
     """fp16: clean steps before the dynamic scale doubles."""
-    hysteresis: int = 2
+    hysteresis: int = num(2, ge=1)
     """fp16: overflows tolerated before the scale is halved."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = num(1.0, gt=0)
     """fp16: the dynamic scale never drops below this."""
 
 
@@ -149,9 +151,9 @@ class PrecisionConfig:
 class ParallelConfig:
     mode: ParallelMode = ParallelMode.dp
     """dp: data parallel (ZeRO shards over all ranks); pipeline: model split into stages."""
-    stages: int = 1
+    stages: int = num(1, ge=1)
     """Pipeline stages (pipeline mode)."""
-    micro_batches: int = 0
+    micro_batches: int = num(0, ge=0)
     """Pipeline micro-batches per optimizer step; 0 derives it from the batch sizes."""
     partition: Partition = Partition.parameters
     """Pipeline layer partitioning: parameters (balance trainable parameters) | uniform (layers)."""
@@ -159,24 +161,24 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = text(MISSING, nonempty=True)
     """Short name of this model file (tiny-gpt2, gpt2, ...)."""
     family: Family = Family.gpt2
     """Architecture family: gpt2 (decoder) or bert / roberta (encoder)."""
-    name_or_path: str = ""
+    name_or_path: str = path_field(PathKind.source)
     """Hub name, local directory of a Hugging Face checkpoint, or pkg://<package>/<dir> for one a
     Python package ships; weights are read from it when pretrained=true."""
     pretrained: bool = False
     """true: load weights (and tokenizer) from name_or_path; false: random init from the architecture below."""
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    num_heads: int = MISSING
-    intermediate_size: int = MISSING
-    vocab_size: int = MISSING
-    max_positions: int = MISSING
-    type_vocab_size: int = 2
+    num_layers: int = num(MISSING, ge=1)
+    hidden_size: int = num(MISSING, ge=1)
+    num_heads: int = num(MISSING, ge=1)
+    intermediate_size: int = num(MISSING, ge=1)
+    vocab_size: int = num(MISSING, ge=1)
+    max_positions: int = num(MISSING, ge=1)
+    type_vocab_size: int = num(2, ge=1)
     """BERT only: token-type embeddings."""
-    dropout: float = 0.1
+    dropout: float = num(0.1, ge=0, lt=1)
     """Dropout on embeddings, attention and residuals (HF's default)."""
 
 
@@ -184,7 +186,7 @@ class ModelConfig:
 class TaskConfig:
     name: TaskName = TaskName.auto
     """auto: causal_lm for the GPT-2 family, sequence_classification for BERT/RoBERTa."""
-    num_labels: int = 2
+    num_labels: int = num(2, ge=1)
     """sequence_classification: number of classes."""
 
 
@@ -192,14 +194,14 @@ class TaskConfig:
 class LauncherConfig:
     name: LauncherName = LauncherName.deepspeed
     """deepspeed: the DeepSpeed CLI; torchrun: torch.distributed.run."""
-    nproc_per_node: Optional[int] = None
+    nproc_per_node: Optional[int] = num(None, ge=1)
     """Ranks per node. None: one per GPU; without GPUs, CPU ranks (min(2, cores))."""
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: Optional[int] = None
+    nnodes: int = num(1, ge=1)
+    node_rank: int = num(0, ge=0)
+    master_addr: str = text("127.0.0.1", nonempty=True)
+    master_port: Optional[int] = num(None, ge=1, le=65535)
     """None: a free port on this machine."""
-    hostfile: str = ""
+    hostfile: str = path_field(PathKind.file)
     """deepspeed multi-node: a hostfile ("host slots=N" per line)."""
     shared_run_dir: bool = True
     """Multi-node: the run dir is on a filesystem every node mounts (one run dir for the job). false: each
@@ -209,14 +211,14 @@ class LauncherConfig:
     rdzv: Rendezvous = Rendezvous.static
     """torchrun multi-node: static (launcher.node_rank on each node) or c10d (any start order; the node at
     launcher.master_addr hosts the rendezvous)."""
-    rdzv_id: str = ""
+    rdzv_id: str = text("")
     """c10d: the job's id, the same on every node. Empty: the experiment name."""
-    min_nnodes: Optional[int] = None
+    min_nnodes: Optional[int] = num(None, ge=1)
     """c10d: elastic, start with at least this many nodes (torchrun --nnodes MIN:MAX; MAX = launcher.nnodes)."""
-    join_timeout_s: int = 120
+    join_timeout_s: int = num(120, ge=1)
     """Multi-node, nodes other than 0: how long to wait for node 0's rendezvous port before failing (an
     unknown or unreachable launcher.master_addr fails at once)."""
-    mmap_threshold_mib: Optional[int] = None
+    mmap_threshold_mib: Optional[int] = num(None, ge=0, le=32)
     """CPU ranks: glibc's mmap threshold (MALLOC_MMAP_THRESHOLD_), fixed, in MiB. A freed block at least this
     large goes back to the OS; smaller ones stay on the heap. 1: up to ~1 GiB less peak RSS on GPT-2 small,
     but every activation of 1 MiB or more is page-faulted anew each step (1.5x slower steps measured on small
@@ -224,7 +226,7 @@ class LauncherConfig:
     are still faulted anew. 0: mmap off, nothing trimmed: every freed block is reused (fastest, most resident).
     None (auto): the first of 0, 32 whose estimate fits with 15% to spare, else 1. autofit may lower an
     explicit 0 or 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
-    stop_timeout_s: int = 110
+    stop_timeout_s: int = num(110, ge=1)
     """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own
     30 s per rank cannot be changed: zerorun does not pass it the signal (README "When things go wrong")."""
@@ -246,9 +248,9 @@ class OptimizerConfig:
     name: OptimizerName = OptimizerName.adamw
     """adamw (DeepSpeed's fused/CPU Adam or torch's), adamw8bit (bitsandbytes, 8-bit states: numerics differ
     from adamw), sgd. lr, betas and weight decay are trainer.lr, trainer.adam_betas, trainer.weight_decay."""
-    momentum: float = 0.9
+    momentum: float = num(0.9, ge=0, lt=1)
     """sgd: momentum (0: no momentum buffer)."""
-    min_8bit_size: int = 4096
+    min_8bit_size: int = num(4096, ge=0)
     """adamw8bit: tensors with fewer elements keep fp32 states (bitsandbytes' default). Under ZeRO the
     optimizer sees one flat partition per rank, so every parameter gets 8-bit states."""
     autofit_8bit: bool = False
@@ -258,37 +260,44 @@ class OptimizerConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 100
+    max_steps: int = num(100, ge=1)
     """Optimizer steps to run."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = num(8, ge=1)
     """Sequences per rank per forward/backward."""
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = num(None, ge=1)
     """Sequences per optimizer step over all ranks. None: micro_batch_size × data-parallel ranks.
     Gradient accumulation = global / (micro × data-parallel ranks); it must divide."""
-    lr: float = 3e-4
+    lr: float = num(3e-4, gt=0, le=10)
+    """Peak learning rate."""
     lr_schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = num(10, ge=0)
+    """Optimizer steps of linear warmup (0: the full LR from the first step)."""
+    min_lr_ratio: float = num(0.1, ge=0, le=1)
     """cosine: the LR decays to lr × min_lr_ratio."""
-    weight_decay: float = 0.01
-    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
+    weight_decay: float = num(0.01, ge=0, le=1)
+    """Decoupled weight decay (AdamW) or L2 (SGD)."""
+    adam_betas: List[float] = num(ge=0, lt=1, length=2, factory=lambda: [0.9, 0.999])
+    """AdamW's beta1, beta2, each in [0, 1)."""
+    grad_clip: float = num(1.0, ge=0)
     """Clip the global gradient norm to this (0: off)."""
-    save_every: int = 0
+    save_every: int = num(0, ge=0)
     """Checkpoint every N optimizer steps (0: only at the end)."""
-    keep_last: int = 2
+    keep_last: int = num(2, ge=1)
     """Keep this many complete checkpoints; older ones are deleted."""
-    checkpoint_dir: str = ""
+    checkpoint_dir: str = path_field(PathKind.out_dir)
     """Where checkpoints go. Empty: <run dir>/checkpoints. On SageMaker: /opt/ml/checkpoints (synced to S3,
     copied back when a job restarts), so a restarted job resumes from it."""
     resume: bool = False
     """Resume from the newest complete checkpoint of this experiment (see resume_from)."""
-    resume_from: str = ""
+    resume_from: str = path_field(PathKind.resume)
     """A run dir or checkpoint dir to resume from. Empty: this run dir, else the newest run
     of the same experiment name that has a complete checkpoint."""
+    overwrite: bool = False
+    """A run dir (or trainer.checkpoint_dir) that already holds complete checkpoints is refused unless the run
+    resumes (trainer.resume=true) or this is true: then the earlier run's checkpoints are deleted first."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of keeping them."""
-    eval_every: int = 0
+    eval_every: int = num(0, ge=0)
     """Evaluate every N steps (0: only at the end)."""
     progress: bool = True
     """Progress bar on rank 0."""
@@ -297,67 +306,67 @@ class TrainerConfig:
     report: bool = True
     """At the end of a run (or sweep), draw training.png, memory.png and report.md into the run dir (sweep:
     sweep.png), as zerorun-report does."""
-    export_dir: str = ""
+    export_dir: str = path_field(PathKind.out_dir)
     """Where the export goes. Empty: <run dir>/export. On SageMaker: SM_MODEL_DIR (/opt/ml/model)."""
-    oom_retries: int = 3
+    oom_retries: int = num(3, ge=0)
     """A rank out of memory at runtime: relaunch from the last complete checkpoint this many times, each
     with the micro-batch halved and accumulation doubled (same global batch, same data order), at
     micro-batch 1 with the gate's next repair (checkpointing, buckets, ZeRO stage, offload). 0: stop."""
-    max_restarts: int = 0
+    max_restarts: int = num(0, ge=0)
     """A rank died (killed, segfault, lost peer): relaunch from the last complete checkpoint up to this many
     times, with a back-off. Not for bad config/data (exit 2) or a failure that repeats at the same step."""
-    restart_backoff_s: float = 10.0
+    restart_backoff_s: float = num(10.0, ge=0)
     """Seconds before the first restart; doubled for each further one (capped at 5 minutes)."""
-    collective_timeout_s: int = 600
+    collective_timeout_s: int = num(600, ge=1)
     """A collective that waits longer than this fails (a dead peer), instead of torch's 30 minutes."""
 
 
 @dataclass
 class DataConfig:
-    name: str = "auto"
+    name: str = text("auto", nonempty=True)
     """A label for the data set (the run dir and cache use it)."""
-    path: str = ""
+    path: str = path_field(PathKind.file)
     """A local file (txt, jsonl, csv). Empty: the built-in data set called `name` (synthetic: an
     English-like LM corpus; sentiment: a labelled review set), made by zerorun, offline."""
     format: DataFormat = DataFormat.auto
     """auto (from the file suffix) | txt | jsonl | csv."""
-    text_column: str = "text"
-    label_column: str = "label"
+    text_column: str = text("text", nonempty=True)
+    label_column: str = text("label", nonempty=True)
     """Classification: integer labels in [0, task.num_labels), or strings (sorted names map to 0..n-1)."""
-    val_path: str = ""
+    val_path: str = path_field(PathKind.file)
     """A separate validation file; empty: carve data.val_fraction out of data.path."""
-    hf_dataset: str = ""
+    hf_dataset: str = text("")
     """A Hugging Face dataset name (needs the network and `pip install datasets`)."""
-    hf_config_name: str = ""
-    hf_train_split: str = "train"
-    hf_val_split: str = ""
+    hf_config_name: str = text("")
+    hf_train_split: str = text("train", nonempty=True)
+    hf_val_split: str = text("")
     """Empty: carve data.val_fraction out of the train split."""
-    seq_len: int = 128
+    seq_len: int = num(128, ge=1)
     """Tokens per sequence: packed blocks for causal LM; the truncation length for classification
     (batches are padded only to their longest sequence)."""
-    val_fraction: float = 0.05
+    val_fraction: float = num(0.05, ge=0, lt=1)
     """Fraction held out for validation (carved with the seed)."""
     group_by_length: bool = True
     """Classification: batch examples of similar length together (padding to each batch's longest costs less);
     the order is still a function of the seed and epoch, so resume stays exact. No effect on packed LM blocks."""
-    synthetic_docs: int = 4000
+    synthetic_docs: int = num(4000, ge=1)
     """Documents in the synthetic corpus."""
-    tokenizer: str = "auto"
+    tokenizer: str = path_field(PathKind.source, "auto")
     """auto: the model's own tokenizer when pretrained, else a byte-level BPE trained on the
     corpus (cached). Or a hub name / local tokenizer directory."""
-    tokenizer_vocab: int = 4096
+    tokenizer_vocab: int = num(4096, ge=256)
     """Vocabulary of the trained BPE (capped at the model's vocab_size)."""
-    cache_dir: str = ""
+    cache_dir: str = path_field(PathKind.out_dir)
     """Where tokenized data is cached. Empty: $ZERORUN_CACHE or ~/.cache/zerorun."""
 
 
 @dataclass
 class HardwareConfig:
     """What to plan for. None: detect this machine."""
-    gpus_per_node: Optional[int] = None
-    gpu_mem_gib: Optional[float] = None
-    nodes: Optional[int] = None
-    host_mem_gib: Optional[float] = None
+    gpus_per_node: Optional[int] = num(None, ge=0)
+    gpu_mem_gib: Optional[float] = num(None, gt=0)
+    nodes: Optional[int] = num(None, ge=1)
+    host_mem_gib: Optional[float] = num(None, gt=0)
 
 
 @dataclass
@@ -373,9 +382,10 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    name: str = "${model.name}"
+    name: str = text("${model.name}", nonempty=True)
     """Experiment name: groups run dirs (outputs/<name>/<time>) and resume looks there."""
-    seed: int = 1234
+    seed: int = num(1234, ge=0, lt=2**32)
+    """Seeds every RNG (numpy takes [0, 2**32))."""
     dry_run: bool = False
     """Compose, check, estimate, render and write the run dir; print the command; do not launch."""
     gate: GateMode = GateMode.strict

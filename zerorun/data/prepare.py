@@ -10,14 +10,17 @@ import hashlib
 import json
 import os
 import random
+import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
 from ..config import DataConfig, DataError, ModelConfig, TaskName
 from ..config.rules import BUILTIN_DATASETS
+from ..manifest import manifest, mismatch, write_durably
 from ..models import resolve_pkg_path
 from .builtin import builtin_rows
 from .readers import load_hub, read_labelled, read_lm_texts
@@ -51,9 +54,11 @@ def load_tokenizer(spec: str):
     """A tokenizer from a local directory or a hub name, with an actionable error offline."""
     from transformers import AutoTokenizer
 
+    from ..models import hub_reachable
+
     try:
-        return AutoTokenizer.from_pretrained(spec)
-    except OSError as e:
+        return AutoTokenizer.from_pretrained(spec, local_files_only=not os.path.isdir(spec) and not hub_reachable())
+    except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError for a malformed name
         raise DataError(
             f"tokenizer '{spec}' could not be loaded ({str(e).splitlines()[0]}). Fix: with no network, point "
             "data.tokenizer (or model.name_or_path) at a local tokenizer directory, or use data.tokenizer=auto "
@@ -110,6 +115,12 @@ class Prepared:
     @classmethod
     def from_json(cls, d: dict) -> "Prepared":
         return cls(**d)
+
+
+MANIFEST = "MANIFEST.json"
+DIGEST_UP_TO = 256 * 2**20
+"""Cache files up to this size are checked against their SHA-256 at every launch (a 256 MiB file: ~0.3 s);
+larger ones by size only."""
 
 
 def cache_root(data: DataConfig) -> Path:
@@ -184,8 +195,22 @@ def _split(rows: list, val_fraction: float, seed: int):
     return [rows[i] for i in order[n_val:]], [rows[i] for i in order[:n_val]]
 
 
+def _say(msg: str) -> None:
+    print(f"zerorun: {msg}", file=sys.stderr, flush=True)
+
+
+def cached_entry_problem(out: Path) -> Optional[str]:
+    """Why a cache entry cannot be trusted (no manifest: an older or unfinished write; a file that differs
+    from it: a truncated copy, a full disk), or None."""
+    try:
+        files = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{out / MANIFEST} is missing or unreadable"
+    return mismatch(out, files, digest_up_to=DIGEST_UP_TO)
+
+
 def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal_lm",
-            num_labels: int = 2) -> Prepared:
+            num_labels: int = 2, log=_say) -> Prepared:
     """Read, tokenize and pack/encode the data once (or reuse the cache). Raises DataError on bad input."""
     spec = tokenizer_spec(data, model)
     key_src = {"source": _source_fingerprint(data, task, seed), "tokenizer": spec, "seq_len": data.seq_len,
@@ -194,10 +219,14 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     label = builtin_name(data, task) if not data.path else Path(data.path).stem
     out = cache_root(data) / "data" / f"{label}-{key}"
-    if (out / "prepared.json").is_file():
-        prepared = Prepared.load(out)
-        prepared.cached = True
-        return prepared
+    if out.is_dir():
+        damaged = cached_entry_problem(out)
+        if damaged is None:
+            prepared = Prepared.load(out)
+            prepared.cached = True
+            return prepared
+        log(f"the tokenized-data cache does not match its manifest ({damaged}): rebuilding it")
+        shutil.rmtree(out, ignore_errors=True)
 
     train_rows, val_rows, label_names = _load_rows(data, task, num_labels, seed)
     if val_rows is None:
@@ -239,11 +268,10 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal
                         num_val=n_val, seq_len=data.seq_len, cache_key=key, pad_id=int(pad_id),
                         label_names=label_names, source=source)
     prepared.save(tmp)
+    write_durably(tmp / MANIFEST, json.dumps(manifest(tmp)))  # last: what a reader checks before trusting it
     try:
         os.replace(tmp, out)  # atomic publish: a concurrent or killed run never sees half a cache entry
     except OSError:  # another process published the same key first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return prepared
 

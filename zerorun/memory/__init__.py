@@ -15,6 +15,6 @@ from .estimate import DEFAULT_CALIBRATION, OVERHEADS, Calibration, Estimate, cor
 from .gate import Change, GateDecision, autofit, gate, resolve_mmap_threshold, runtime_oom_repair, table_configs
 from .params import ParamBreakdown, count_params, model_key, param_breakdown
 from .stages import PipelineStage, partition_balanced, partition_uniform, pipeline_layer_params, pipeline_stages
-from .states import STATE_NAMES
+from .states import STATE_NAMES, checkpoint_bytes, export_bytes
 
 __all__ = [n for n in dir() if not n.startswith("_")]

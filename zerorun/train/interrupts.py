@@ -7,7 +7,7 @@ import os
 import resource
 import signal
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from .. import faults
 
@@ -15,6 +15,10 @@ FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"            # "RANK:STEP": SIGKILL that ran
 FAULT_OOM_ENV = "ZERORUN_FAULT_OOM"              # "RANK:STEP[:MIN_MICRO]": raise OutOfMemoryError before that step
 FAULT_MEMLIMIT_ENV = "ZERORUN_FAULT_MEMLIMIT"    # "RANK:MIB": a real address-space limit once the model is built
 FAULT_SAVE_KILL_ENV = "ZERORUN_FAULT_SAVE_KILL"  # "RANK:STEP:POINT": SIGKILL inside that step's save (checkpoint.py)
+FAULT_SAVE_SNAPSHOT_ENV = "ZERORUN_FAULT_SAVE_SNAPSHOT"
+""""STEP:DIR": at every point of that step's save, each rank copies the checkpoint dir to
+DIR/rank{r}-point{p}/checkpoints: what a kill of that rank at that point would leave on disk (the other ranks
+cannot pass the next barrier without it), so one run shows every kill point."""
 
 
 def _spec(env: str) -> Optional[Tuple[int, ...]]:
@@ -81,7 +85,21 @@ def limit_memory(rank: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-def save_kill_point(rank: int, step: int) -> Optional[int]:
-    """The point inside checkpoint.save at which a test kills this rank, if any."""
-    spec = _spec(FAULT_SAVE_KILL_ENV)
-    return spec[2] if spec and spec[:2] == (rank, step) else None
+def save_hook(rank: int, step: int, root: Path) -> Optional[Callable[[int], None]]:
+    """What a test does at each numbered point inside checkpoint.save of this step on this rank: SIGKILL the
+    rank at one point (ZERORUN_FAULT_SAVE_KILL), or snapshot the checkpoint dir (ZERORUN_FAULT_SAVE_SNAPSHOT)."""
+    kill = _spec(FAULT_SAVE_KILL_ENV)
+    kill_at = kill[2] if kill and kill[:2] == (rank, step) else None
+    snap_step, _, snap_dir = os.environ.get(FAULT_SAVE_SNAPSHOT_ENV, "").partition(":")
+    snapshot = snap_dir if snap_step == str(step) else None
+    if kill_at is None and snapshot is None:
+        return None
+
+    def at(point: int) -> None:
+        if snapshot:
+            import shutil
+
+            shutil.copytree(root, Path(snapshot) / f"rank{rank}-point{point}" / "checkpoints", dirs_exist_ok=True)
+        if point == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return at

@@ -29,11 +29,44 @@ def main(argv: Optional[List[str]] = None) -> int:
     run_dir = RunDir(Path(args[0]).resolve())
     state: Dict[str, Any] = {}
     try:
-        return _run(run_dir, state)
+        code = _run(run_dir, state)
     except BaseException as e:  # noqa: B036 (an OOM can surface as MemoryError)
+        if isinstance(e, faults.DiskFull):
+            _leave_disk_full(run_dir, state.get("trainer"), e)
         if not faults.is_oom(e):
             raise
         _leave_after_oom(run_dir, state.get("trainer"), e)
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Exit now that everything is written and the last barrier passed: the interpreter's teardown of torch,
+    DeepSpeed and gloo takes ~1 s per rank and writes nothing, and the launcher polls once a second. Buffers that
+    do hold something are flushed first (streams, logging, a W&B run)."""
+    import logging
+
+    if "wandb" in sys.modules and getattr(sys.modules["wandb"], "run", None) is not None:
+        sys.modules["wandb"].finish()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _leave_disk_full(run_dir: RunDir, trainer: Optional[Trainer], error: "faults.DiskFull") -> None:
+    """The disk filled during a save: record it with the newest complete checkpoint, remove the partial save
+    (it only holds space), say it in one line and leave; the launcher stops with EXIT_DISK_FULL."""
+    import shutil
+
+    rank = trainer.rank if trainer else int(os.environ.get("RANK", 0))
+    shutil.rmtree(error.partial, ignore_errors=True)
+    try:
+        faults.record(run_dir.path, rank, "disk_full", step=error.step, path=error.path, latest=error.latest,
+                      error=error.cause)
+    except OSError:
+        pass  # the run dir may be on the full disk too: the exit code still says it
+    print(f"zerorun: rank {rank}: {error}", file=sys.stderr, flush=True)
+    os._exit(faults.EXIT_DISK_FULL)
 
 
 def _leave_after_oom(run_dir: RunDir, trainer: Optional[Trainer], error: BaseException) -> None:

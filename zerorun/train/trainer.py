@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from .. import checkpoint
+from .. import checkpoint, faults
 from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
@@ -232,14 +232,24 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
         client_state = {"step": step, "consumed": self.sampler.consumed}
-        return checkpoint.save(self.engine, self.run_dir.checkpoints_for(self.cfg), step, client_state,
+        root = self.run_dir.checkpoints_for(self.cfg)
+        try:
+            return self._save(root, step, client_state)
+        except Exception as e:  # noqa: BLE001 (only a full disk is turned into something else)
+            if not faults.is_disk_full(e, root):
+                raise
+            raise faults.DiskFull(str(root), step, checkpoint.latest_tag(root) or "", str(root / checkpoint.tag_for(step)),
+                                  str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from None
+
+    def _save(self, root, step: int, client_state) -> str:
+        return checkpoint.save(self.engine, root, step, client_state,
                                rng_state=rng_state(), rank=self.rank, writer=self.writes_run_dir,
                                barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
                                world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
                                       "global_batch": self.plan.global_batch_size,
                                       "optimizer": self.plan.optimizer.value},
-                               kill_point=interrupts.save_kill_point(self.rank, step))
+                               at_point=interrupts.save_hook(self.rank, step, root))
 
     def resume(self, ckpt_root, tag: str) -> None:
         client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank)
