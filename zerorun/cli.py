@@ -351,8 +351,36 @@ def _recorded_reason() -> str:
     return f"zerorun exited {outcomes[-1].code}: {events[-1]['reason']}" if events and events[-1].get("reason") else ""
 
 
+def _hydra_words_problem(args: List[str]) -> None:
+    """What Hydra itself would fail on after its banner, as one line: a malformed override (a sweep's too) and a
+    run or sweep dir it cannot create (the default, outputs/ under the working directory, included)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .hardware import writable_dir_problem
+
+    words = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]  # not --cfg's "job"
+    try:
+        OverridesParser.create().parse_overrides(words)
+    except Exception as e:  # noqa: BLE001 (Hydra's OverrideParseException and its grammar's errors)
+        raise UserError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}",
+                        "key=value, group=option, a sweep a,b,c; quote values with spaces or brackets.") from None
+    dirs = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if w.startswith(("hydra.run.dir=", "hydra.sweep.dir="))}
+    key = "hydra.sweep.dir" if "-m" in args or "--multirun" in args else "hydra.run.dir"
+    target = dirs.get(key, "" if key in dirs else "outputs")
+    if target and "${" not in target:
+        why = writable_dir_problem(target)
+        if why:
+            raise UserError(f"{key}={target}: cannot create the run directory there ({why}).",
+                            f"{key}=<a directory you can write to>, or run zerorun from a writable directory.",
+                            key=key, value=target)
+
+
 def _run(args: List[str]) -> int:
     flags = {a.split("=")[0] for a in args if a.startswith("-")}
+    try:
+        _hydra_words_problem(args)
+    except UserError as e:
+        return refuse(e)
     if not flags:
         # A single run: compose it once here, so a composition error (unknown option, wrong type, typo) is
         # one line and exit 2 instead of Hydra's multi-line report and exit 1.

@@ -46,8 +46,9 @@ def is_oom(exc: BaseException) -> bool:
 class DiskFull(Exception):
     """No space left while saving step ``step`` under ``path``; ``latest`` is the newest complete checkpoint."""
 
-    def __init__(self, path: str, step: int, latest: str, partial: str, cause: str):
+    def __init__(self, path: str, step: int, latest: str, partial: str, cause: str, peer: bool = False):
         self.path, self.step, self.latest, self.partial, self.cause = path, step, latest, partial, cause
+        self.peer = peer  # another rank hit it; this one lost its collective
         newest = f"step {latest.replace('global_step', '')}" if latest else "none (nothing was saved before)"
         super().__init__(f"disk full at {path} while saving step {step}; the newest complete checkpoint is {newest}")
 

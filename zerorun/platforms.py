@@ -39,6 +39,23 @@ class Platform:
     notes: List[str] = field(default_factory=list)
 
 
+def env_int(environ: Mapping[str, str], name: str, default: int = 0, *, lo: int = 0, hi: int = 2**31 - 1) -> int:
+    """An integer the platform put in ``name`` (unset or empty: ``default``); a malformed or out-of-range value is
+    the one-line error naming the variable, never a traceback. Every platform variable is read through this."""
+    raw = (environ.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise UserError(f"{name}={raw!r} in the environment: expected an integer in [{lo}, {hi}].",
+                        f"this variable is the platform's (the scheduler sets it): unset it in your shell or job "
+                        f"script, or set it to a valid value.", key=name, value=raw)
+    return value
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -84,6 +101,10 @@ def hyperparameters(environ: Mapping[str, str], base: Path, argv: Sequence[str])
         except ValueError as e:
             raise UserError(f"SageMaker: SM_HPS is not valid JSON ({e}).", "fix the estimator's hyperparameters.",
                             key="hyperparameters") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise UserError(f"SageMaker: the hyperparameters (SM_HPS or hyperparameters.json) are not a JSON object: "
+                        f"{str(raw)[:80]!r}.", "fix the estimator's hyperparameters (a dict of key: value).",
+                        key="SM_HPS" if environ.get("SM_HPS") else "hyperparameters", value=raw)
     hps: Dict[str, Any] = {}
     for k, v in (raw or {}).items():
         if k.startswith("sagemaker_"):
@@ -174,6 +195,10 @@ def sagemaker(environ: Mapping[str, str], argv: Sequence[str]) -> Platform:
     except ValueError as e:
         raise UserError(f"SageMaker: SM_HOSTS is not valid JSON ({e}).", "it is the platform's; report it.",
                         key="SM_HOSTS") from None
+    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts):
+        raise UserError(f"SageMaker: SM_HOSTS / resourceconfig.json hosts must be a JSON list of host names, not "
+                        f"{str(hosts)[:80]!r}.", "it is the platform's; unset SM_HOSTS if you set it.", key="SM_HOSTS",
+                        value=hosts)
     current = environ.get("SM_CURRENT_HOST") or resource.get("current_host") or ""
     hosts = sorted(hosts) or [current]
     if current not in hosts:
@@ -190,9 +215,9 @@ def sagemaker(environ: Mapping[str, str], argv: Sequence[str]) -> Platform:
     if len(hosts) > 1:
         overrides += ["launcher=torchrun", f"launcher.nnodes={len(hosts)}", f"launcher.node_rank={rank}",
                       f"launcher.master_addr={environ.get('SM_MASTER_ADDR', hosts[0])}",
-                      f"launcher.master_port={environ.get('SM_MASTER_PORT', SAGEMAKER_PORT)}",
+                      f"launcher.master_port={env_int(environ, 'SM_MASTER_PORT', SAGEMAKER_PORT, lo=1, hi=65535)}",
                       "launcher.shared_run_dir=false"]
-    gpus = int(environ.get("SM_NUM_GPUS", "0") or 0)
+    gpus = env_int(environ, "SM_NUM_GPUS", 0, hi=1024)
     if gpus:
         overrides.append(f"launcher.nproc_per_node={gpus}")
     # One prefix in S3 for all instances: each node checkpoints into its own subdirectory of it.
@@ -230,7 +255,8 @@ def _channels(environ: Mapping[str, str], base: Path, given: set) -> List[str]:
         try:
             files = sorted(p for p in Path(channels[name]).iterdir() if p.is_file() and not p.name.startswith("."))
         except OSError as e:
-            raise UserError(f"SageMaker: channel {name} ({channels[name]}) cannot be read: {e}.",
+            raise UserError(f"SageMaker: channel {name} (SM_CHANNEL_{name.upper()}={channels[name]!r}) cannot be read: "
+                            f"{e.strerror or e}.",
                             "check the channel's S3 prefix and input mode (File).", key=key,
                             value=channels[name]) from None
         if not files:
@@ -268,14 +294,23 @@ def expand_nodelist(nodelist: str) -> List[str]:
         prefix, ranges, suffix = m.groups()
         for r in ranges.split(","):
             lo, _, hi = r.partition("-")
+            if not lo.isdigit() or not (hi or lo).isdigit():
+                raise UserError(f"Slurm node list {nodelist!r}: the range {r!r} is not N or N-M.",
+                                "the node list is Slurm's (SLURM_JOB_NODELIST); run zerorun with srun inside the "
+                                "allocation.", key="SLURM_JOB_NODELIST", value=nodelist)
             for n in range(int(lo), int(hi or lo) + 1):
                 hosts.append(f"{prefix}{str(n).zfill(len(lo))}{suffix}")
     return hosts
 
 
 def _tasks_per_node(environ: Mapping[str, str]) -> int:
-    raw = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1"
-    return max(int(re.match(r"\d+", p).group()) for p in raw.split(",") if re.match(r"\d+", p))
+    name = "SLURM_STEP_TASKS_PER_NODE" if environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    raw = environ.get(name) or "1"
+    counts = [int(m.group()) for p in raw.split(",") if (m := re.match(r"\d+", p))]  # "2(x3),1"
+    if not counts:
+        raise UserError(f"{name}={raw!r} in the environment: expected task counts such as 1 or 2(x3),1.",
+                        "this variable is Slurm's: run zerorun with srun inside the allocation.", key=name, value=raw)
+    return max(counts)
 
 
 def slurm(environ: Mapping[str, str]) -> Platform:
@@ -290,9 +325,9 @@ def slurm(environ: Mapping[str, str]) -> Platform:
                         key="SLURM_STEP_TASKS_PER_NODE", value=tasks)
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
     hosts = expand_nodelist(nodelist) if nodelist else []
-    nnodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or len(hosts) or 1) \
-        if in_step else 1
-    rank = int(environ.get("SLURM_NODEID", "0")) if in_step else 0
+    nodes_var = "SLURM_STEP_NUM_NODES" if environ.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
+    nnodes = env_int(environ, nodes_var, len(hosts) or 1, lo=1) if in_step else 1
+    rank = env_int(environ, "SLURM_NODEID", 0, hi=max(0, nnodes - 1)) if in_step else 0
     name = environ.get("SLURM_JOB_NAME", "zerorun")
     root = Path(environ.get("ZERORUN_RUN_ROOT") or Path(environ.get("SLURM_SUBMIT_DIR") or ".") / "zerorun-runs")
     # One run dir per srun step of the job: a requeued job (same id, steps counted from 0 again) finds its
@@ -304,9 +339,9 @@ def slurm(environ: Mapping[str, str]) -> Platform:
             raise UserError("Slurm: SLURM_JOB_NODELIST is empty, so node 0's address is unknown.",
                             "run zerorun with srun inside the allocation.", key="SLURM_JOB_NODELIST")
         overrides += ["launcher=torchrun", f"launcher.nnodes={nnodes}", f"launcher.node_rank={rank}",
-                      f"launcher.master_addr={hosts[0]}", f"launcher.master_port={20000 + int(job) % 20000}"]
+                      f"launcher.master_addr={hosts[0]}", f"launcher.master_port={20000 + env_int(environ, 'SLURM_JOB_ID', 0) % 20000}"]
     notes = [f"Slurm job {job}: node {rank} of {nnodes}" + (f", master {hosts[0]}" if nnodes > 1 else "")]
-    if int(environ.get("SLURM_RESTART_COUNT") or 0) > 0 and complete_tags(run_dir / "checkpoints"):
+    if env_int(environ, "SLURM_RESTART_COUNT", 0) > 0 and complete_tags(run_dir / "checkpoints"):
         overrides.append("trainer.resume=true")
         notes.append(f"resuming from {run_dir / 'checkpoints'} (requeued: SLURM_RESTART_COUNT="
                      f"{environ['SLURM_RESTART_COUNT']})")

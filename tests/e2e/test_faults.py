@@ -229,3 +229,39 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, cache_dir, baseline
     # The trained weights and optimizer state came back: the loss goes on from step 8's, far below a fresh
     # model's (step 1), and the same global batch means the same sequences as 2 ranks would have used.
     assert abs(got[0]["loss"] - baseline[8]["loss"]) < 0.3 * (baseline[1]["loss"] - baseline[8]["loss"])
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoint_resumes(tmp_path, cache_dir):
+    """A real ENOSPC: checkpoints go to a 40 MiB tmpfs that holds two of this run's 15 MB checkpoints but not a
+    third (keep_last=2 deletes the oldest only after the new save is complete). The resumed run meets a tokenized
+    cache truncated the way a killed copy leaves it, and rebuilds it with one line."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)  # the session's process baseline (and tokenized data, if made yet)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(small)], check=True)
+    try:
+        args = [*RUN, f"trainer.checkpoint_dir={small}"]
+        run = tmp_path / "run"
+        proc = run_zerorun(args, run, cache)
+        assert proc.returncode == 74, proc.stdout[-3000:]
+        line = f"disk full at {small} while saving step 6; the newest complete checkpoint is step 4"
+        assert line in proc.stdout, proc.stdout[-3000:]
+        launcher_lines = [s for s in proc.stdout.splitlines() if s.startswith("zerorun:")]
+        assert any(line in s for s in launcher_lines) and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+        assert checkpoint.latest_tag(small) == "global_step4" and checkpoint.damage(small, "global_step4") is None
+        assert not (small / "global_step6").exists()  # the partial save is removed: it only held space
+
+        subprocess.run(["mount", "-o", "remount,size=200m", str(small)], check=True)  # the user frees space
+        for npy in (cache / "data").glob("*/train.npy"):  # and a killed copy truncated the tokenized data
+            with open(npy, "r+b") as f:
+                f.truncate(npy.stat().st_size // 2)
+        resumed = run_zerorun([*args, "trainer.resume=true"], run, cache)
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert "the tokenized-data cache does not match its manifest" in resumed.stdout, resumed.stdout[-3000:]
+        assert "train.npy is" in resumed.stdout and "rebuilding it" in resumed.stdout
+        assert summary(run)["resumed_from_step"] == 4 and [m["step"] for m in read_metrics(run)] == list(range(1, 9))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

@@ -27,7 +27,10 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
 
     P = UserError
     declared = field_problems(cfg)  # each field's own range (schema.py), then the rules between fields
-    cfg = with_defaults_for(cfg, declared)  # so those rules never meet an out-of-range value
+    sane = with_defaults_for(cfg, declared)  # so those rules never meet an out-of-range value
+    if sane is None:
+        return declared
+    cfg = sane
     world = dataclasses.replace(world, nproc_per_node=max(1, world.nproc_per_node), nnodes=max(1, world.nnodes))
     problems: List[UserError] = []
     z, off, prec, tr, m = cfg.zero, cfg.offload, cfg.precision, cfg.trainer, cfg.model

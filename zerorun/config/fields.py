@@ -16,7 +16,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from .errors import UserError
 
-INT_MAX = 2**63 - 1  # what torch, numpy and DeepSpeed's JSON take as an integer
+INT_MAX = 2**63 - 1
+MISSING_VALUE = "???"  # omegaconf.MISSING  # what torch, numpy and DeepSpeed's JSON take as an integer
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,13 @@ def field_problems(cfg: Any) -> List[UserError]:
     return out
 
 
-def with_defaults_for(cfg: Any, problems: List[UserError]) -> Any:
+def with_defaults_for(cfg: Any, problems: List[UserError]) -> Optional[Any]:
     """``cfg`` with each field named in ``problems`` set back to its declared default, so the cross-field
-    rules can still run (and report their own problems) without meeting out-of-range values."""
+    rules can still run (and report their own problems) without meeting out-of-range values; None when a
+    field has no default to fall back on (a model's architecture: MISSING until a model file sets it)."""
     bad = {p.key for p in problems}
+    if any(f.default == MISSING_VALUE for key, f, _ in leaves(cfg) if key in bad):
+        return None
 
     def fix(obj: Any, prefix: str) -> Any:
         changes = {}

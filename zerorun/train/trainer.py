@@ -236,10 +236,13 @@ class Trainer:
         try:
             return self._save(root, step, client_state)
         except Exception as e:  # noqa: BLE001 (only a full disk is turned into something else)
-            if not faults.is_disk_full(e, root):
+            # A peer that hit the full disk left its record before leaving: this rank's broken collective is that.
+            peer = not faults.is_disk_full(e, root) and any(
+                r.get("kind") == "disk_full" for r in faults.read_all(self.run_dir.path))
+            if not (peer or faults.is_disk_full(e, root)):
                 raise
             raise faults.DiskFull(str(root), step, checkpoint.latest_tag(root) or "", str(root / checkpoint.tag_for(step)),
-                                  str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from None
+                                  str(e).splitlines()[0][:300] if str(e) else type(e).__name__, peer=peer) from None
 
     def _save(self, root, step: int, client_state) -> str:
         return checkpoint.save(self.engine, root, step, client_state,
