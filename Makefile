@@ -33,7 +33,8 @@ ops: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
 test: system-deps $(VENV)/.installed ops
-	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 tests
+	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
+	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml | head -8
 
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed

@@ -105,6 +105,18 @@ def space_problem(root: Path, need: int, export_root: Path, export_need: int,
     return None
 
 
+def refuse_without_space(cfg, plan, params: int, run_dir) -> None:
+    """Refuse (exit 2) a run whose checkpoint (and export) would not fit where they go."""
+    from . import hardware
+    from .config import UserError
+    from .memory import checkpoint_bytes, export_bytes
+
+    problem = space_problem(run_dir.checkpoints_for(cfg), checkpoint_bytes(cfg, plan, params),
+                            run_dir.export_for(cfg), export_bytes(cfg, params), hardware.free_disk_bytes)
+    if problem:
+        raise UserError(f"not enough disk space for the checkpoints: {problem}", key="trainer.checkpoint_dir")
+
+
 def marker(root: Path, tag: str) -> Dict[str, Any]:
     try:
         return json.loads((root / tag / COMPLETE).read_text())

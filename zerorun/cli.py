@@ -17,10 +17,11 @@ from typing import List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import faults, launcher, netcheck, platforms, speed, supervise
+from . import checkpoint, faults, launcher, netcheck, platforms, speed, supervise
 from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
+from .config.load import hydra_words_problem
 from .config.rules import mmap_threshold_bytes
 from .hardware import GIB, Hardware, detect, resolve_hardware
 from .resume import find as resume_point
@@ -189,7 +190,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
     plan = make_plan(cfg, world)
-    _check_disk_space(cfg, plan, decision.estimate.params, run_dir)
+    checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "
         f"{world.size} rank(s) via {cfg.launcher.name.value}")
@@ -229,17 +230,6 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     return supervise.Launch(cfg=cfg, plan=plan, argv=argv, env=env, master_addr=lp.master_addr,
                             master_port=lp.master_port, estimate_bytes=decision.estimate.per_rank_peak_bytes,
                             resume=resume)
-
-
-def _check_disk_space(cfg: RunConfig, plan: Plan, params: int, run_dir: RunDir) -> None:
-    """Refuse (exit 2) a run whose checkpoint (and export) would not fit where they go."""
-    from . import checkpoint, hardware
-    from .memory import checkpoint_bytes, export_bytes
-
-    problem = checkpoint.space_problem(run_dir.checkpoints_for(cfg), checkpoint_bytes(cfg, plan, params),
-                                       run_dir.export_for(cfg), export_bytes(cfg, params), hardware.free_disk_bytes)
-    if problem:
-        raise UserError(f"not enough disk space for the checkpoints: {problem}", key="trainer.checkpoint_dir")
 
 
 def _ds_config(cfg: RunConfig, plan: Plan, resume: Optional[dict], run_dir: RunDir) -> dict:
@@ -351,34 +341,10 @@ def _recorded_reason() -> str:
     return f"zerorun exited {outcomes[-1].code}: {events[-1]['reason']}" if events and events[-1].get("reason") else ""
 
 
-def _hydra_words_problem(args: List[str]) -> None:
-    """What Hydra itself would fail on after its banner, as one line: a malformed override (a sweep's too) and a
-    run or sweep dir it cannot create (the default, outputs/ under the working directory, included)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from .hardware import writable_dir_problem
-
-    words = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]  # not --cfg's "job"
-    try:
-        OverridesParser.create().parse_overrides(words)
-    except Exception as e:  # noqa: BLE001 (Hydra's OverrideParseException and its grammar's errors)
-        raise UserError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}",
-                        "key=value, group=option, a sweep a,b,c; quote values with spaces or brackets.") from None
-    dirs = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if w.startswith(("hydra.run.dir=", "hydra.sweep.dir="))}
-    key = "hydra.sweep.dir" if "-m" in args or "--multirun" in args else "hydra.run.dir"
-    target = dirs.get(key, "" if key in dirs else "outputs")
-    if target and "${" not in target:
-        why = writable_dir_problem(target)
-        if why:
-            raise UserError(f"{key}={target}: cannot create the run directory there ({why}).",
-                            f"{key}=<a directory you can write to>, or run zerorun from a writable directory.",
-                            key=key, value=target)
-
-
 def _run(args: List[str]) -> int:
     flags = {a.split("=")[0] for a in args if a.startswith("-")}
     try:
-        _hydra_words_problem(args)
+        hydra_words_problem(args)
     except UserError as e:
         return refuse(e)
     if not flags:

@@ -22,6 +22,8 @@ from zerorun.config.fields import Bound, PathKind, Text, declared, field_problem
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 BASE = composed()
 KEYS = [key for key, f, _ in leaves(BASE) if key not in ("deepspeed",)]
+# CI replays the same examples (a green main stays green); a developer's run draws new ones each time.
+SEEDED = bool(os.environ.get("CI"))
 NUMERIC = ("int", "float", "Optional[int]", "Optional[float]", "List[float]")
 
 
@@ -116,7 +118,7 @@ def _assert_launchable(cfg: RunConfig, parser):
     assert all(math.isfinite(g["lr"]) and g["lr"] >= 0 for g in optimizer.param_groups)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=SEEDED, database=None)
 @given(key=st.sampled_from(KEYS), value=VALUES, data=st.data())
 def test_any_value_of_any_field_is_accepted_and_launchable_or_refused_naming_the_key(
         key, value, data, places, deepspeed_parser):
@@ -151,7 +153,7 @@ ENV_TEXT = st.one_of(st.sampled_from(NASTY_TEXT + ["2", "1", "0", "-3", "9999999
                      st.text(max_size=6), st.integers(-5, 10**12).map(str))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=SEEDED, database=None)
 @given(platform=st.sampled_from(["slurm", "sagemaker"]),
        env=st.dictionaries(st.sampled_from(PLATFORM_VARS), ENV_TEXT, max_size=4))
 def test_any_platform_variable_gives_a_platform_or_one_error_naming_it(platform, env, tmp_path_factory):
@@ -168,7 +170,10 @@ def test_any_platform_variable_gives_a_platform_or_one_error_naming_it(platform,
         named = [e.key, *environ, "distribution", "hyperparameters", "resourceconfig.json"]
         assert any(n in str(e) for n in named), (environ, e.key, str(e))
         return
-    assert got is not None and got.name == platform
+    if got is None:  # SLURM_JOB_ID drawn empty: not a Slurm job at all
+        assert not environ.get("SLURM_JOB_ID"), environ
+        return
+    assert got.name == platform
     for o in got.overrides:
         assert "=" in o
 

@@ -153,3 +153,27 @@ def compose(overrides: Sequence[str]) -> RunConfig:
     except Exception as e:  # an unknown group option or a malformed override: Hydra's first line says which
         raise UserError(str(e).strip().splitlines()[0]) from None
     return to_run_config(raw)
+
+
+def hydra_words_problem(args: List[str]) -> None:
+    """What Hydra itself would fail on after its banner, as one line: a malformed override (a sweep's too) and a
+    run or sweep dir it cannot create (the default, outputs/ under the working directory, included)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from ..hardware import writable_dir_problem
+
+    words = [a for a in args if not a.startswith("-") and ("=" in a or a.startswith("~"))]  # not --cfg's "job"
+    try:
+        OverridesParser.create().parse_overrides(words)
+    except Exception as e:  # noqa: BLE001 (Hydra's OverrideParseException and its grammar's errors)
+        raise UserError(f"cannot parse the overrides: {str(e).strip().splitlines()[0]}",
+                        "key=value, group=option, a sweep a,b,c; quote values with spaces or brackets.") from None
+    dirs = {w.split("=", 1)[0]: w.split("=", 1)[1] for w in words if w.startswith(("hydra.run.dir=", "hydra.sweep.dir="))}
+    key = "hydra.sweep.dir" if "-m" in args or "--multirun" in args else "hydra.run.dir"
+    target = dirs.get(key, "" if key in dirs else "outputs")
+    if target and "${" not in target:
+        why = writable_dir_problem(target)
+        if why:
+            raise UserError(f"{key}={target}: cannot create the run directory there ({why}).",
+                            f"{key}=<a directory you can write to>, or run zerorun from a writable directory.",
+                            key=key, value=target)
