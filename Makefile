@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast system-deps install ops
+.PHONY: demo test test-fast system-deps install ops gpu-validate
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,3 +39,10 @@ test: system-deps $(VENV)/.installed ops
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit tests
+
+# On a machine with NVIDIA GPUs: the memory matrix at OOM level (reserved peak; context + NCCL + reserved from the
+# driver's mem_get_info) against the gate, written to benchmarks/results/ (commit it: the priors become facts).
+GPUS ?= 1
+gpu-validate: $(VENV)/.installed
+	mkdir -p benchmarks/results
+	$(PY) benchmarks/validate_memory_gpu.py --nproc $(GPUS) --json benchmarks/results/gpu-validation-$(GPUS)gpu.json

@@ -43,6 +43,7 @@ from zerorun import memory as M  # noqa: E402
 import memory_harness as MM  # noqa: E402
 from zerorun.config import Dtype, OffloadDevice, World, default_task, make_plan  # noqa: E402
 from zerorun.hardware import GIB, Hardware  # noqa: E402
+from zerorun.launcher import rank_env  # noqa: E402
 
 DEFAULT_MODELS = ("tiny-gpt2", "tiny-bert", "gpt2", "bert-base-uncased")
 DEFAULT_SEQS = {"tiny-gpt2": (64, 256), "tiny-bert": (64, 256), "gpt2": (128, 512), "bert-base-uncased": (128, 512)}
@@ -180,6 +181,7 @@ def launch(job: Dict[str, Any], nproc: int, timeout: int) -> List[Dict[str, Any]
         env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         env.setdefault("TORCH_EXTENSIONS_DIR", MM.extensions_dir())
+        env.update({k: v for k, v in rank_env("cuda", 1).items() if k == "PYTORCH_CUDA_ALLOC_CONF"})  # as zerorun's ranks
         args = [str(Path(__file__).resolve()), "--worker", str(spec), "--worker-out", str(out)]
         if nproc == 1:
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")

@@ -34,7 +34,11 @@ def _unit_tests_start_no_process(request, monkeypatch):
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One tokenized-data cache for the whole session: runs after the first reuse it."""
-    return tmp_path_factory.mktemp("zerorun-cache")
+    import helpers
+
+    path = tmp_path_factory.mktemp("zerorun-cache")
+    helpers.SESSION_CACHE[:] = [path]
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -87,8 +87,18 @@ def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra
                           stderr=subprocess.STDOUT, text=True, timeout=timeout, start_new_session=True)
 
 
+SESSION_CACHE: list = []
+"""The session's tokenized-data cache (conftest's cache_dir fixture puts it here when it is made)."""
+
+
 def start_on_host(host, args, cwd: Path, cache_dir: Path, env_extra=None) -> subprocess.Popen:
-    """``zerorun ARGS`` on a test host (tests/netns.py), as a user runs it on a node: its own data cache."""
+    """``zerorun ARGS`` on a test host (tests/netns.py), as a user runs it on a node: its own data cache, seeded
+    with a copy of what the session has made (tokenized data, this machine's process baseline), as a node that
+    ran zerorun before would have it; a first run's tokenizing and baseline probe are the session's first job."""
+    import shutil
+
+    if SESSION_CACHE and not cache_dir.exists():
+        shutil.copytree(SESSION_CACHE[0], cache_dir)
     env = {**base_env(cache_dir), **host.env(), **(env_extra or {})}
     return subprocess.Popen(host.argv([str(BIN / "zerorun"), *quiet(args)]), env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

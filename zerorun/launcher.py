@@ -28,6 +28,7 @@ class LaunchPlan:
     hostfile: str = ""
     threads_per_rank: int = 1
     mmap_threshold: int = CPU_MMAP_THRESHOLD
+    expandable_segments: bool = True
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
     stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
     rdzv: str = "static"  # torchrun: "static" | "c10d"
@@ -50,7 +51,14 @@ def _exe(plan: LaunchPlan, name: str) -> str:
     return name
 
 
-def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD) -> Dict[str, str]:
+CUDA_ALLOC_CONF = "expandable_segments:True"
+"""CUDA ranks: PyTorch's caching allocator grows segments in place instead of caching fixed blocks, the standard
+fix for OOMs from fragmentation mid-run (reserved far above allocated). launcher.expandable_segments=false drops
+it; a PYTORCH_CUDA_ALLOC_CONF the user set wins."""
+
+
+def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD,
+             expandable_segments: bool = True) -> Dict[str, str]:
     """The environment every rank process starts with (also the calibration probes', so they measure the same)."""
     env = {
         "OMP_NUM_THREADS": str(threads_per_rank),
@@ -66,6 +74,8 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
             env["MALLOC_TRIM_THRESHOLD_"] = str(MMAP_OFF_BYTES)
         else:
             env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # a fixed value also stops its dynamic growth
+    elif expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     return env
 
 
@@ -84,7 +94,7 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     Ranks get only the run dir: no Hydra argv, and ``--no_local_rank`` so DeepSpeed does not
     append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
     """
-    env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold)
+    env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold, plan.expandable_segments)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
         if plan.hostfile:  # one launch for all nodes, over pdsh/ssh

@@ -254,9 +254,9 @@ def _channels(environ: Mapping[str, str], base: Path, given: set) -> List[str]:
             continue
         try:
             files = sorted(p for p in Path(channels[name]).iterdir() if p.is_file() and not p.name.startswith("."))
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a path no filesystem takes (a NUL byte)
             raise UserError(f"SageMaker: channel {name} (SM_CHANNEL_{name.upper()}={channels[name]!r}) cannot be read: "
-                            f"{e.strerror or e}.",
+                            f"{getattr(e, 'strerror', None) or e}.",
                             "check the channel's S3 prefix and input mode (File).", key=key,
                             value=channels[name]) from None
         if not files:

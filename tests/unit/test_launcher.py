@@ -112,3 +112,14 @@ def test_the_launcher_reads_this_machine_without_importing_torch_where_it_can(tm
     monkeypatch.setattr(hardware, "_gpu_device_nodes", lambda: True)  # a GPU node but no nvidia-smi: ask CUDA
     hardware.detect()
     assert "torch" in attempted
+
+
+def test_cuda_ranks_get_expandable_segments_unless_turned_off_or_set_by_the_user(monkeypatch):
+    from zerorun.launcher import CUDA_ALLOC_CONF, rank_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert rank_env("cuda", 4)["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cuda", 4, expandable_segments=False)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cpu", 1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own wins (inherited)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cuda", 4)

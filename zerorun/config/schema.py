@@ -226,6 +226,10 @@ class LauncherConfig:
     are still faulted anew. 0: mmap off, nothing trimmed: every freed block is reused (fastest, most resident).
     None (auto): the first of 0, 32 whose estimate fits with 15% to spare, else 1. autofit may lower an
     explicit 0 or 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
+    expandable_segments: bool = True
+    """CUDA ranks: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator grows segments in place: far
+    less reserved-but-unused memory, the usual cause of an OOM mid-run with memory to spare). The gate counts a
+    smaller allocator margin with it (memory/estimate.py Calibration). A PYTORCH_CUDA_ALLOC_CONF you set wins."""
     stop_timeout_s: int = num(110, ge=1)
     """After a stop signal, seconds the ranks get to save a checkpoint before the launcher kills them
     (torchrun --shutdown-timeout; SageMaker sends SIGKILL 120 s after SIGTERM). The deepspeed launcher's own

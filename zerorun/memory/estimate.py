@@ -39,7 +39,11 @@ class Calibration:
     nccl_bytes: int = 1 * GIB
     """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§5.2)."""
     allocator_margin: float = 0.10
-    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2)."""
+    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2), with fixed-size segments."""
+    allocator_margin_expandable: float = 0.05
+    """The same with expandable segments (launcher.expandable_segments, the default): segments grow in place,
+    so what stays reserved beyond the peak is mostly rounding to 2 MiB pages. A prior until `make
+    gpu-validate` measures it (§5.2)."""
     cpu_process_bytes: int = 430 * 2**20
     """Resident memory of a CPU rank with everything imported (torch, transformers' model code, DeepSpeed and
     its CPU ops, the gloo group) before any tensor: 423-425 MiB measured on every rank of every run of
@@ -358,7 +362,8 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"
     else:
-        comps["allocator margin"] = int(cal.allocator_margin * alloc_peak)
+        margin = cal.allocator_margin_expandable if _expandable(cfg) else cal.allocator_margin
+        comps["allocator margin"] = int(margin * alloc_peak)
         comps["CUDA context"] = cal.cuda_context_bytes
         if world.size > 1:
             comps["NCCL buffers"] = cal.nccl_bytes
@@ -400,3 +405,12 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     calibration="calibrated on this machine" if correction is not None else
                     "prior; process baseline measured on this machine" if cal.process_measured and
                     world.accelerator == "cpu" else "prior")
+
+
+def _expandable(cfg: RunConfig) -> bool:
+    """Whether the ranks' CUDA allocator runs with expandable segments (zerorun sets it unless told not to, or
+    unless the user's own PYTORCH_CUDA_ALLOC_CONF decides)."""
+    import os
+
+    own = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    return "expandable_segments:True" in own if own is not None else cfg.launcher.expandable_segments
