@@ -100,8 +100,8 @@ def space_problem(root: Path, need: int, export_root: Path, export_need: int,
     for path, bytes_needed, key, what in places:
         have = free(str(path))
         if have < bytes_needed:
-            return (f"{path}: {have / gib:.2f} GiB free, {what} take(s) {bytes_needed / gib:.2f} GiB. Fix: free space "
-                    f"there, or point {key} at a larger disk.")
+            return (f"{path}: {have / gib:.2f} GiB free, {bytes_needed / gib:.2f} GiB needed for {what}. Fix: free "
+                    f"space there, or point {key} at a larger disk.")
     return None
 
 

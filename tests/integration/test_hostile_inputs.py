@@ -157,3 +157,15 @@ def test_hostile_input_is_one_line_and_exit_2(places, monkeypatch, capsys, overr
     assert fill(needle, places) in errors[0], text[-3000:]
     assert "Traceback" not in text and "HYDRA_FULL_ERROR" not in text and "nothing was launched" in text
     assert not os.path.exists(f"{run_dir}/ds_config.json")
+
+
+def test_resume_with_nothing_to_resume_starts_fresh_and_says_so(places, capsys):
+    """The requeue idiom: `trainer.resume=true` on every submission; the first finds nothing and starts at 0."""
+    run_dir = f"{places['tmp']}/experiment/first"
+    code = cli.main(["launcher.nproc_per_node=2", "trainer.resume=true", "name=fresh-experiment", "dry_run=true",
+                     f"hydra.run.dir={run_dir}"])
+    text = capsys.readouterr().err
+    assert code == 0, text[-2000:]
+    lines = [line for line in text.splitlines() if "no complete checkpoint" in line]
+    assert len(lines) == 1 and "starting from step 0" in lines[0], text[-2000:]
+    assert os.path.exists(f"{run_dir}/ds_config.json") and not os.path.exists(f"{run_dir}/resume.json")

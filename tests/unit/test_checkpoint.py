@@ -49,3 +49,22 @@ def test_resume_candidates_this_run_then_siblings_newest_first(tmp_path):
     assert resume_candidates(composed(), this) == [this, exp / "2026-01-03_10-00-00", exp / "2026-01-01_10-00-00"]
     explicit = composed(f"trainer.resume_from={tmp_path / 'x'}")
     assert resume_candidates(explicit, this) == [tmp_path / "x"]
+
+
+def test_one_checkpoint_is_counted_as_the_disk_holds_it_and_a_small_disk_is_refused_with_both_figures(tmp_path):
+    from helpers import CPU2, planned
+
+    from zerorun.memory import checkpoint_bytes, export_bytes
+
+    cfg, plan = planned("zero=stage2", "data.seq_len=64", world=CPU2)
+    # tiny GPT-2 ZeRO-2 fp32 on 2 ranks wrote 15,315,195 bytes per tag (954,000 parameters: 4 + 4 + 8 per
+    # parameter, plus small headers) in the e2e runs
+    params = 954_000
+    assert checkpoint_bytes(cfg, plan, params) == 16 * params
+    assert export_bytes(cfg, params) == 4 * params
+    need, export = checkpoint_bytes(cfg, plan, params), export_bytes(cfg, params)
+    plenty = checkpoint.space_problem(tmp_path / "ckpt", need, tmp_path / "export", export, lambda p: 10 * need)
+    assert plenty is None
+    short = checkpoint.space_problem(tmp_path / "ckpt", need, tmp_path / "export", export, lambda p: need)
+    assert short.startswith(f"{tmp_path / 'ckpt'}: 0.01 GiB free, 0.02 GiB needed for one checkpoint and the export")
+    assert "trainer.checkpoint_dir" in short
