@@ -25,7 +25,8 @@ system-deps:
 	  else echo "note: libaio-dev is not installed; NVMe offload tests will be refused (apt-get install libaio-dev)"; fi; \
 	fi
 
-demo: $(VENV)/.installed
+# The demo builds DeepSpeed's CPU ops too (~3 min once per venv), so `make test` after it reuses them.
+demo: ops
 	$(VENV)/bin/zerorun
 
 # DeepSpeed's CPU ops (cpu_adam, async_io, shm comm) compiled once, before any timed-out rank start.

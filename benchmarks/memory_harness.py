@@ -101,13 +101,10 @@ def engine_matrix(quick: bool = False) -> List[Layout]:
 
 
 def extensions_dir() -> str:
-    """A torch-extensions build dir of this interpreter's own. DeepSpeed JIT-builds cpu_adam (offload) into
-    ~/.cache/torch_extensions, keyed by name only: another venv on the machine (other include paths)
-    rebuilds it there, ~3 minutes each time. Keyed by sys.prefix, the build is made once per venv."""
-    import hashlib
+    """The ranks' own torch-extensions dir (zerorun.launcher.extensions_dir): `make ops` built cpu_adam there."""
+    from zerorun.launcher import extensions_dir as ranks_dir
 
-    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-    return os.path.join(os.path.expanduser("~"), ".cache", "zerorun", "torch_extensions", key)
+    return ranks_dir()
 
 
 def clear_stale_build_locks(root: str, max_age_s: float = 900) -> None:

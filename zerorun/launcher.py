@@ -57,6 +57,18 @@ fix for OOMs from fragmentation mid-run (reserved far above allocated). launcher
 it; a PYTORCH_CUDA_ALLOC_CONF the user set wins."""
 
 
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT ops (cpu_adam, async_io, the shm comm op) are built and found: one directory per
+    Python environment. torch's default, ~/.cache/torch_extensions, is keyed by op name only, so two venvs on
+    one machine (other include paths) rebuild each other's ops, minutes each time. `make ops` (zerorun.prebuild)
+    builds into it once; ranks, calibration probes and the memory harness all load from it. A
+    TORCH_EXTENSIONS_DIR already set (docker/Dockerfile) wins."""
+    import hashlib
+
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    return os.path.join(os.path.expanduser("~"), ".cache", "zerorun", "torch_extensions", key)
+
+
 def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD,
              expandable_segments: bool = True) -> Dict[str, str]:
     """The environment every rank process starts with (also the calibration probes', so they measure the same)."""
@@ -66,6 +78,8 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
     }
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         if mmap_threshold >= MMAP_OFF_BYTES:

@@ -13,6 +13,11 @@ from .hardware import libaio_available
 
 
 def main() -> int:
+    import os
+
+    from .launcher import extensions_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())  # where the ranks will look (launcher.rank_env)
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
