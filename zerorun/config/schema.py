@@ -294,8 +294,9 @@ class TrainerConfig:
     resume: bool = False
     """Resume from the newest complete checkpoint of this experiment (see resume_from)."""
     resume_from: str = path_field(PathKind.resume)
-    """A run dir or checkpoint dir to resume from. Empty: this run dir, else the newest run
-    of the same experiment name that has a complete checkpoint."""
+    """A run dir or checkpoint dir to resume from (setting it resumes: trainer.resume is implied); it must hold a
+    complete checkpoint, else the launch is refused. Empty with trainer.resume=true: this run dir, else the newest
+    run of the same experiment name that has a complete checkpoint, else a fresh start (said in one line)."""
     overwrite: bool = False
     """A run dir (or trainer.checkpoint_dir) that already holds complete checkpoints is refused unless the run
     resumes (trainer.resume=true) or this is true: then the earlier run's checkpoints are deleted first."""
