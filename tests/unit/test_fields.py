@@ -139,9 +139,11 @@ def test_any_value_of_any_field_is_accepted_and_launchable_or_refused_naming_the
 
 
 def _cross_field(problems):
-    """A value valid on its own can still break a rule between fields (seq_len > max_positions): the problem then
-    names the other key, and that is right too."""
-    return all(p.key for p in problems)
+    """A value valid on its own can still break a rule between fields (seq_len > max_positions): then every
+    problem must name a real key of the config (or a group, or the model), so the user knows what to change."""
+    from zerorun.config import schema_problem
+
+    return all(p.key and (p.key in ("model", "gate") or schema_problem(p.key) is None) for p in problems)
 
 
 PLATFORM_VARS = ["SLURM_NNODES", "SLURM_STEP_NUM_NODES", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE",
