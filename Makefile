@@ -35,7 +35,7 @@ ops: system-deps $(VENV)/.installed
 
 test: system-deps $(VENV)/.installed ops
 	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
-	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml | head -8
+	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed
