@@ -71,8 +71,10 @@ TYPED = OmegaConf.structured(BASE)
 
 def _typed_with(key, value):
     """The config with one leaf set as Hydra sets an override, through OmegaConf's typing (what to_run_config's
-    merge does for every key), then the same conversion into a RunConfig; the leaf is put back afterwards."""
+    merge does for every key), then the same conversion into a RunConfig; the leaf is put back afterwards, as a
+    plain copy: a list node (trainer.adam_betas) is changed in place by a refused update."""
     old = OmegaConf.select(TYPED, key)
+    old = OmegaConf.to_container(old) if OmegaConf.is_config(old) else old
     try:
         OmegaConf.update(TYPED, key, value, merge=False)
         return OmegaConf.to_object(TYPED)
@@ -186,3 +188,10 @@ def test_declared_kinds_cover_the_path_fields():
     assert kinds["trainer.checkpoint_dir"] == kinds["trainer.export_dir"] == kinds["data.cache_dir"] == PathKind.out_dir
     texts = [key for key, f, _ in leaves(BASE) if isinstance(declared(f), Text)]
     assert "launcher.master_addr" in texts and dataclasses.is_dataclass(BASE)
+
+
+@pytest.mark.parametrize("key", ["trainer.checkpoint_dir", "data.path", "data.cache_dir", "trainer.resume_from"])
+def test_a_path_with_a_nul_byte_is_refused_naming_the_key(key):
+    # Found by the generator above: the filesystem calls raise ValueError, not OSError, on a NUL byte.
+    problems = check(_typed_with(key, "a\x00b"), CPU2, libaio=True)
+    assert any(p.key == key and "NUL byte" in str(p) for p in problems), problems

@@ -90,7 +90,10 @@ def path_problems(cfg: RunConfig, writable: Callable[[str], Optional[str]]) -> L
         kind = f.metadata.get("path")
         if kind is None or not value or _unused(cfg, key):
             continue
-        why = checks[kind](value) if kind in checks else None
+        if "\x00" in value:  # no filesystem call takes it (ValueError, not OSError)
+            why = "contains a NUL byte, which no path can hold"
+        else:
+            why = checks[kind](value) if kind in checks else None
         if why:
             out.append(UserError(f"{key}={value}: {why}.", KEY_FIXES.get(key, FIXES[kind]), key=key, value=value))
     return out
