@@ -9,6 +9,7 @@ tells a scheduler what happened.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -79,6 +80,37 @@ def record(run_dir: Path, rank: int, kind: str, **info: Any) -> Path:
     path = d / f"rank{rank}.json"
     write_atomic(path, json.dumps({"kind": kind, "rank": rank, "time": time.time(), **info}, default=str))
     return path
+
+
+NODE_KEY_ENV = "ZERORUN_NODE_KEY"
+"""Set by zerorun for the ranks it launches on this node: a rank that finished cleanly leaves a marker under
+this key, so zerorun need not wait for the launcher's own exit (see clean_exits)."""
+
+
+def mark_clean_exit(run_dir: Path) -> None:
+    """A rank's last act before a clean exit (everything written, the last barrier passed)."""
+    key = os.environ.get(NODE_KEY_ENV)
+    if key:
+        (Path(run_dir) / FAULTS_DIR).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(run_dir) / FAULTS_DIR / f"exited-{key}-{os.environ.get('LOCAL_RANK', '0')}", "0\n")
+
+
+def clean_exits(run_dir: Path, key: str) -> int:
+    """How many of the ranks zerorun started under ``key`` have exited cleanly. The deepspeed CLI polls its
+    ranks once a second and sleeps a second more before it exits (then tears down its imports, as the runner
+    above it does): ~2 s per launch in which nothing is left to do."""
+    return len(_exit_markers(run_dir, key))
+
+
+def forget_clean_exits(run_dir: Path, key: str) -> None:
+    """Once the launcher is gone: the markers said what they had to."""
+    for p in _exit_markers(run_dir, key):
+        p.unlink(missing_ok=True)
+
+
+def _exit_markers(run_dir: Path, key: str) -> List[Path]:
+    d = Path(run_dir) / FAULTS_DIR
+    return list(d.glob(f"exited-{key}-*")) if d.is_dir() else []
 
 
 def read_all(run_dir: Path) -> List[Dict[str, Any]]:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .config.rules import CPU_MMAP_THRESHOLD, MMAP_OFF_BYTES
 
@@ -157,12 +157,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def run(argv: List[str], env: Dict[str, str], log_path: Optional[Path] = None) -> int:
-    """Start the launcher in its own process group and wait; Ctrl-C stops every rank."""
+def run(argv: List[str], env: Dict[str, str], finished: Optional[Callable[[], bool]] = None) -> int:
+    """Start the launcher in its own process group and wait; Ctrl-C stops every rank. ``finished`` says that
+    every rank has exited cleanly: the launcher has nothing left to do, so it is not waited for (returns 0)."""
     full_env = {**os.environ, **env}
     proc = subprocess.Popen(argv, env=full_env, start_new_session=True)
     try:
-        return proc.wait()
+        while True:
+            try:
+                return proc.wait(timeout=0.1 if finished else None)
+            except subprocess.TimeoutExpired:
+                if finished is not None and finished():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return 0
     except KeyboardInterrupt:
         os.killpg(proc.pid, signal.SIGINT)
         try:

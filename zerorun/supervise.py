@@ -10,7 +10,9 @@ unless it died at the same step as last time. Every event goes to recoveries.jso
 """
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -128,7 +130,13 @@ def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None], got:
     launcher timeout to race (torchrun, the deepspeed CLI)."""
     faults.clear(run_dir.path)
     run_dir.clear_outcome()
-    rc = launcher.run(launch.argv, launch.env)
+    # Ranks that finished cleanly say so (faults.mark_clean_exit) under this node's key. Not where the deepspeed
+    # CLI starts other hosts' ranks over pdsh: those are still running when this host's are done.
+    key = f"{socket.gethostname()}-{os.getpid()}"
+    nproc = launch.plan.world.nproc_per_node
+    finished = None if launch.cfg.launcher.hostfile else (lambda: faults.clean_exits(run_dir.path, key) >= nproc)
+    rc = launcher.run(launch.argv, {**launch.env, faults.NODE_KEY_ENV: key}, finished)
+    faults.forget_clean_exits(run_dir.path, key)
     # No orphans: ranks a dead launcher left behind get the stop grace (they may be saving), then SIGKILL.
     killed = launcher.reap(str(run_dir.path.resolve()), launch.cfg.launcher.stop_timeout_s if got else 10.0)
     if killed:

@@ -123,3 +123,4 @@ def test_cuda_ranks_get_expandable_segments_unless_turned_off_or_set_by_the_user
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cpu", 1)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own wins (inherited)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cuda", 4)
+

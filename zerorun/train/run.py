@@ -36,10 +36,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not faults.is_oom(e):
             raise
         _leave_after_oom(run_dir, state.get("trainer"), e)
-    _leave(code)
+    _leave(run_dir, code)
 
 
-def _leave(code: int) -> None:
+def _leave(run_dir: RunDir, code: int) -> None:
     """Exit now that everything is written and the last barrier passed: the interpreter's teardown of torch,
     DeepSpeed and gloo takes ~1 s per rank and writes nothing, and the launcher polls once a second. Buffers that
     do hold something are flushed first (streams, logging, a W&B run)."""
@@ -50,6 +50,8 @@ def _leave(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == faults.EXIT_OK:
+        faults.mark_clean_exit(run_dir.path)
     os._exit(code)
 
 
