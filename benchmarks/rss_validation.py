@@ -1,6 +1,7 @@
 """The memory gate's per-rank figure against what the OS saw: each rank's peak RSS in real zerorun runs.
 
     python benchmarks/rss_validation.py [--set quick|full|gpt2] [--calibrated] [--out rows.jsonl]
+    python benchmarks/rss_validation.py --random N [--seed S]     # a new held-out set each time
 
 Each point is a real `zerorun` run on CPU ranks (a few steps, the final evaluation, checkpoint and export
 included: all of it can OOM). Measured: each rank's peak resident set as the kernel reports it
@@ -78,27 +79,81 @@ def points(which: str, data_dir: Path) -> List[List[str]]:
     return out
 
 
+MODELS = ("tiny-gpt2", "tiny-bert", "gpt2", "minilm")
+
+
+def draw(rng, data_dir: Path) -> List[str]:
+    """One config drawn uniformly from the space zerorun supports on CPU ranks, before the rules between keys
+    (``random_points`` redraws what they refuse): the mmap mode is left to auto, as a user's run would be."""
+    model = rng.choice(MODELS)
+    bert = model in ("tiny-bert", "minilm")
+    ranks = rng.choice((1, 2))
+    pipeline = ranks == 2 and rng.random() < 0.2
+    stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2, 3))
+    offload = "none" if pipeline else rng.choice(("none", "cpu", "nvme"))
+    max_seq = 256 if model == "tiny-gpt2" else 512
+    ovs = [f"+model={model}", f"launcher.nproc_per_node={ranks}", f"zero=stage{stage}", f"offload={offload}",
+           f"precision={rng.choice(('fp32', 'bf16'))}",
+           f"trainer.activation_checkpointing={rng.choice(('false', 'true'))}",
+           f"data.seq_len={rng.randrange(64, max_seq + 1, 16)}", f"trainer.micro_batch_size={rng.randint(1, 16)}",
+           f"optimizer={rng.choice(('adamw', 'adamw8bit', 'sgd'))}"]
+    if pipeline:
+        ovs += ["parallel=pipeline", "parallel.micro_batches=4"]
+    if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
+        ovs += [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
+    return ovs
+
+
+def random_points(n: int, seed: int, data_dir: Path) -> List[List[str]]:
+    """``n`` configs the rules accept, drawn with ``seed``. What the memory gate then refuses on this machine is
+    reported and skipped by the caller (a user's run would stop there too)."""
+    import random
+
+    from zerorun.config import check, compose, plan_world
+    from zerorun.hardware import detect
+
+    rng, hw, out = random.Random(seed), detect(), []
+    while len(out) < n:
+        ovs = draw(rng, data_dir)
+        cfg = compose([*BASE, *[o for o in ovs if not o.startswith("data.path")]])
+        if not check(cfg, plan_world(cfg, hw)):
+            out.append(ovs)
+    return out
+
+
+class Refused(RuntimeError):
+    """zerorun refused the config before launch (exit 2): the gate said it does not fit here."""
+
+
 def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated: bool = False) -> List[Dict]:
     run_dir = Path(tempfile.mkdtemp(dir=work))
     ranks = [] if any(o.startswith("launcher.nproc_per_node") for o in overrides) else ["launcher.nproc_per_node=2"]
-    cmd = [str(BIN / "zerorun"), *BASE, *overrides, *ranks, f"hydra.run.dir={run_dir}"]
+    pinned = any(o.startswith("launcher.mmap_threshold_mib") for o in overrides)
+    base = [o for o in BASE if not (pinned and o.startswith("launcher.mmap_threshold_mib"))]
+    cmd = [str(BIN / "zerorun"), *base, *overrides, *ranks, f"hydra.run.dir={run_dir}"]
     if calibrated:
         cal = subprocess.run([str(BIN / "zerorun-calibrate"), *BASE, *overrides, *ranks], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
         if cal.returncode != 0:
             raise RuntimeError(f"calibrating {' '.join(overrides)} failed:\n{cal.stdout[-3000:]}")
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    if proc.returncode == 2:
+        raise Refused(next((line for line in proc.stdout.splitlines() if "zerorun: error" in line or "needs" in line),
+                           proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "exit 2"))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(overrides)} failed:\n{proc.stdout[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     est = json.loads((run_dir / "estimate.json").read_text())
+    mode = next((line.split(":")[1].strip() for line in (run_dir / "config.yaml").read_text().splitlines()
+                 if line.strip().startswith("mmap_threshold_mib:")), "?")
     shutil.rmtree(run_dir, ignore_errors=True)  # a GPT-2 checkpoint is 1.5 GB: keep only the figures
     rows = []
     for r in summary["peak_memory"]:
         stage = r.get("pipeline_stage")
         e = est["pipeline_stages"][stage] if stage is not None and "pipeline_stages" in est else est
         rows.append({"config": " ".join(overrides), "rank": r["rank"], "stage": stage,
-                     "estimate": e["per_rank_peak_bytes"],
+                     "estimate": e["per_rank_peak_bytes"], "mmap_mib": mode,
+                     "bound": e.get("per_rank_bound_bytes"),
                      "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
                      "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
                      "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
@@ -141,9 +196,20 @@ def errors(rows: List[Dict]) -> List[float]:
 def summarize(rows: List[Dict]) -> List[str]:
     errors_ = errors(rows)
     under = [-e for e in errors_ if e < 0]
-    return [f"{len(rows)} ranks: median |error| {100 * statistics.median(abs(e) for e in errors_):.1f}%, worst "
-            f"{100 * max(abs(e) for e in errors_):.1f}%, under-estimated on {len(under)} "
-            f"(largest {100 * max(under, default=0):.1f}%)"]
+    out = [f"{len(rows)} ranks: median |error| {100 * statistics.median(abs(e) for e in errors_):.1f}%, worst "
+           f"{100 * max(abs(e) for e in errors_):.1f}%, under-estimated on {len(under)} "
+           f"(largest {100 * max(under, default=0):.1f}%)"]
+    bounded = [r for r in rows if r.get("bound")]
+    if bounded:  # the bound: how often it held, and how far above the measured peak it sat
+        over = [(r["bound"] - r["measured"]) / r["measured"] for r in bounded]
+        out.append(f"bound: above the measured peak on {sum(o >= 0 for o in over)} of {len(bounded)} ranks; "
+                   f"median over-estimate {100 * statistics.median(over):.1f}%, lowest {100 * min(over):+.1f}%")
+    modes = sorted({str(r.get("mmap_mib")) for r in rows})
+    if len(modes) > 1:
+        for m in modes:
+            sub = [r for r in rows if str(r.get("mmap_mib")) == m]
+            out.append(f"  mmap {m} MiB: " + summarize([dict(r, bound=None, mmap_mib=m) for r in sub])[0])
+    return out
 
 
 def main() -> None:
@@ -153,6 +219,9 @@ def main() -> None:
     ap.add_argument("--mmap", type=int, default=1, help="launcher.mmap_threshold_mib of every run (1: validated)")
     ap.add_argument("--calibrated", action="store_true",
                     help="run zerorun-calibrate on each point first (a fresh calibration cache), then the run")
+    ap.add_argument("--random", type=int, metavar="N",
+                    help="N configs drawn uniformly from the supported space (mmap mode: auto), not a fixed set")
+    ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
     ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
                                                    "estimator")
@@ -176,12 +245,22 @@ def main() -> None:
     rows: List[Dict] = []
     print(f"{'config':92s} {'rank':>4s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak phase     (MiB)")
     BASE[-1] = f"launcher.mmap_threshold_mib={args.mmap}"
-    for i, ovs in enumerate(points(args.set, work)):
+    if args.random:
+        seed = args.seed if args.seed is not None else int(time.time())
+        print(f"random set: --random {args.random} --seed {seed} (the mmap mode is auto's)", flush=True)
+        BASE.pop()  # launcher.mmap_threshold_mib: auto, as a user's run
+        chosen = random_points(args.random, seed, work)
+    else:
+        chosen = points(args.set, work)
+    for i, ovs in enumerate(chosen):
         if args.only and i not in args.only:
             continue
         t0 = time.perf_counter()
         try:
             point_rows = run_point(ovs, work, env, args.calibrated)
+        except Refused as e:  # the gate's answer on this machine: a user's run stops there too
+            print(f"{' '.join(ovs)[:92]:92s} refused before launch: {str(e)[:160]}", flush=True)
+            continue
         except RuntimeError as e:  # report and go on: one crashed run should not cost the whole matrix
             print(f"{' '.join(ovs)[:92]:92s} FAILED: {str(e).splitlines()[0]}", flush=True)
             continue
@@ -189,7 +268,7 @@ def main() -> None:
             rows.append(r)
             err = (r["estimate"] - r["measured"]) / r["measured"]
             print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "
-                  f"{100 * err:+6.1f}%  {r['phase']:14s} "
+                  f"{100 * err:+6.1f}%  {r['phase']:14s} mmap {r['mmap_mib']} "
                   + " ".join(f"{k}={v / MIB:.0f}" for k, v in r["by_point"].items())
                   + (f" | live init={r['live']['init'] / MIB:.0f} train={r['live']['train'] / MIB:.0f} "
                      f"vs allocator estimate {r['alloc_estimate'] / MIB:.0f}" if r["live"] else ""), flush=True)

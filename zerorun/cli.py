@@ -100,12 +100,11 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
     gate_world = plan_world(cfg, plan_hw)
-    if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only with room to spare
+    if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only where its own bound fits
         cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world), plan_hw, cal)
         if world.accelerator == "cpu":
-            say({0: "CPU ranks: mmap off (fastest: freed memory is reused, not page-faulted anew; the run fits "
-                    "with room to spare)",
-                 32: "CPU ranks: mmap threshold 32 MiB (fast: the run fits with room to spare; "
+            say({0: "CPU ranks: mmap off (fastest: freed memory is reused, not page-faulted anew; its bound fits)",
+                 32: "CPU ranks: mmap threshold 32 MiB (fast: its bound fits; "
                      "launcher.mmap_threshold_mib=0 is faster and needs more memory)"}.get(
                 cfg.launcher.mmap_threshold_mib, "CPU ranks: mmap threshold 1 MiB (memory-saving: freed activations "
                 "go back to the OS; launcher.mmap_threshold_mib=32 is faster)"))
@@ -130,7 +129,8 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         cfg = checked(decision.cfg, world, weights=False)
         say(f"memory: {decision.message}")
     est = decision.estimate
-    say(f"memory: {est.per_rank_peak_bytes / GIB:.2f} of {est.device_capacity_bytes / GIB:.2f} GiB per "
+    say(f"memory: {est.per_rank_peak_bytes / GIB:.2f}, at most {est.bound_bytes / GIB:.2f}, of "
+        f"{est.device_capacity_bytes / GIB:.2f} GiB per "
         f"{'GPU' if est.device == 'cuda' else 'rank'} (peak in {est.peak_phase}; largest: "
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.top(3)) + f") [gate={cfg.gate.value}; {est.calibration}]")
     return cfg, decision
@@ -206,6 +206,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
                          ds_config=_ds_config(cfg, plan, resume, run_dir), prepared=prepared.to_json(), resume=resume,
                          estimate={**decision.estimate.to_json(), "gate": {
                              "mode": decision.mode.value, "ok": decision.ok, "message": decision.message,
+                             "original_bound_bytes": decision.original.bound_bytes,
                              "changes": [dataclasses.asdict(c) for c in decision.changes]},
                              "predicted_step": speed.predict_step_time(cfg, plan).to_json()})
     if cfg.offload.device == OffloadDevice.nvme:

@@ -42,7 +42,7 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         f"hardware: {hw.describe()}",
         f"attention: {first.summary['attention_kernel']} (HF's default sdpa on {hw.accelerator})",
         "",
-        f"  {'ZeRO / offload':32s} {'per-' + unit + ' peak':>14s}  {'peak phase':14s} {'fits ' + unit:>9s}  "
+        f"  {'ZeRO / offload':32s} {'per-' + unit + ' peak':>14s} {'at most':>9s}  {'peak phase':14s} {'fits ' + unit:>9s}  "
         f"{'host RAM/node':>13s} {'fits host':>9s}  {'NVMe/node':>10s}  {'adamw8bit peak':>14s}  {'pred. s/step':>12s}",
     ]
     host_known = hw.host_mem_bytes > 0
@@ -52,7 +52,7 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         nvme = _gib(e.nvme_bytes) if e.nvme_bytes else "-"
         fits_host = ("yes" if e.fits_host else "NO") if host_known else "?"
         eight = (_gib(e8.per_rank_peak_bytes) + ("" if e8.fits else " NO")) if e8 else "-"
-        lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s}  {e.peak_phase:14s} "
+        lines.append(f"{mark} {label:32s} {_gib(e.per_rank_peak_bytes):>14s} {_gib(e.bound_bytes):>9s}  {e.peak_phase:14s} "
                      f"{'yes' if e.fits_device else 'NO':>9s}  {_gib(e.host_bytes_per_node):>13s} {fits_host:>9s}  "
                      f"{nvme:>10s}  {eight:>14s}  {pred:>12s}")
     chosen = next((row[1] for row in rows if row[0] == chosen_label), None)
@@ -66,7 +66,9 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                          f"{_gib(st['per_rank_peak_bytes'])} ({st['peak_phase']})")
     cap = _gib(first.device_capacity_bytes)
     if hw.accelerator == "cuda":
-        lines.append(f"capacity {cap} per GPU. Peak = {1 + cal.allocator_margin:.2f} × allocator peak + CUDA context "
+        margin = first.components.get("allocator margin", 0) / max(1, first.per_rank_peak_bytes - sum(
+            first.components.get(k, 0) for k in ("allocator margin", "CUDA context", "NCCL buffers")))
+        lines.append(f"capacity {cap} per GPU. Peak = {1 + margin:.2f} × allocator peak + CUDA context "
                      f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
                      " (uncalibrated priors, docs/memory.md §5.2).")
     else:
@@ -74,7 +76,8 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      f"everything in host RAM; the peak is their resident set: {_gib(cal.cpu_process_bytes)} process "
                      f"+ tensors + heap retention + {_gib(cal.cpu_overhead_bytes)} overhead (docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
-                 "offloaded state, + the rank processes. * = the composed config. adamw8bit peak: the same row with "
+                 "offloaded state, + the rank processes. * = the composed config. at most: the bound the gate decides on "
+                 "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits). adamw8bit peak: the same row with "
                  "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload). pred. s/step: "
                  f"the step-time model autofit ranks by ({'measured on a CPU machine' if hw.accelerator == 'cpu' else 'GPU priors'}"
                  "; zerorun/speed.py).")

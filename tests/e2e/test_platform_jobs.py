@@ -118,6 +118,8 @@ def test_slurm_two_nodes_usr2_checkpoints_requeues_and_the_requeued_job_resumes(
         if (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 3:
             break
         time.sleep(0.5)
+    ended = [p for p in procs if p.poll() is not None]  # a task that is gone cannot be signalled: say why it went
+    assert not ended, "\n=====\n".join(f"exit {p.returncode}:\n{p.communicate()[0][-2500:]}" for p in ended)
     for p in procs:  # `#SBATCH --signal=USR2@120`: Slurm signals every task of the job
         os.kill(p.pid, signal.SIGUSR2)
     codes, outs = both(procs)

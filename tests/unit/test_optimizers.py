@@ -50,12 +50,12 @@ def test_eight_bit_states_save_six_bytes_per_parameter_in_the_estimate():
 
 
 def test_autofit_switches_to_eight_bit_only_when_allowed():
-    # One 14 GiB GPU: ZeRO cannot partition anything, so only CPU offload or 8-bit states fit GPT-2 large.
+    # One 16 GiB GPU: ZeRO cannot partition anything, so only CPU offload or 8-bit states fit GPT-2 large.
     one = World(nproc_per_node=1, nnodes=1, accelerator="cuda")
     cfg = composed("+model=gpt2-large", "precision=bf16", "trainer.micro_batch_size=1", "data.seq_len=256",
                    "gate=autofit")
     plan = make_plan(cfg, one)
-    hw = dataclasses.replace(A100_8, gpus_per_node=1, gpu_mem_bytes=14 * 2**30)
+    hw = dataclasses.replace(A100_8, gpus_per_node=1, gpu_mem_bytes=16 * 2**30)
     d = gate(cfg, plan, hw)
     assert d.ok and all(c.key != "optimizer.name" for c in d.changes) and "offload=cpu" in d.overrides, d.message
     allowed = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, autofit_8bit=True))

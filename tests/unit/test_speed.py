@@ -77,7 +77,7 @@ def test_profiles_are_picked_by_accelerator():
     ("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
      "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=12", "hardware.host_mem_gib=256"),
     ("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=16",
-     "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=3", "hardware.host_mem_gib=256"),
+     "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=4", "hardware.host_mem_gib=256"),
     ("+model=tiny-gpt2", "trainer.micro_batch_size=16", "data.seq_len=256", "launcher.mmap_threshold_mib=32",
      "hardware.gpus_per_node=0", "hardware.host_mem_gib=1.5", "launcher.nproc_per_node=2"),
 ])

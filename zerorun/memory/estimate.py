@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig, TaskName
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
+from .bound import term_widths, upper_bound
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
@@ -138,6 +139,9 @@ class Estimate:
     """parallel=pipeline: each stage's layers, 1F1B depth, peak and breakdown (the estimate is the worst one)."""
     calibration: str = "prior"
     """"calibrated on this machine" when a measured correction applied, else "prior"."""
+    bound_bytes: int = 0
+    """At most this per rank: the point plus each term's uncertainty (bound.py); the gate decides on it."""
+    bound_widths: Dict[str, int] = field(default_factory=dict)
 
     def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
         """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
@@ -151,6 +155,9 @@ class Estimate:
             "device": self.device,
             "per_rank_peak_bytes": self.per_rank_peak_bytes,
             "per_rank_peak_gib": round(self.per_rank_peak_bytes / GIB, 3),
+            "per_rank_bound_bytes": self.bound_bytes,
+            "per_rank_bound_gib": round(self.bound_bytes / GIB, 3),
+            "bound_widths": dict(self.bound_widths),
             "device_capacity_bytes": self.device_capacity_bytes,
             "fits": self.fits,
             "fits_device": self.fits_device,
@@ -211,7 +218,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     return dataclasses.replace(
         est, host_bytes_per_node=int(host_node), fits_host=fits_host, fits_device=fits_device,
         fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
-        stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, peak_phase=e.peak_phase,
+        stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, per_rank_bound_bytes=e.bound_bytes,
+                     peak_phase=e.peak_phase,
                      model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
                      phases={k: dict(v) for k, v in e.phases.items()})
                 for st, e in zip(stages, per_stage)])
@@ -381,7 +389,11 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         host_init = built_params * 4 + bd.buffer_bytes
         host_node = (max(sum(host_steady.values()), host_init) + cal.cuda_process_host_bytes) * world.nproc_per_node
     host_cap = hw.host_usable_bytes
-    fits_device = capacity > 0 and per_rank <= capacity
+    widths = term_widths(comps, accelerator=world.accelerator, process_measured=cal.process_measured,
+                         mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
+                         calibrated=correction is not None)
+    bound = upper_bound(per_rank, widths)
+    fits_device = capacity > 0 and bound <= capacity
     fits_host = host_cap <= 0 or host_node <= host_cap
     notes = list(notes)
     if cfg.data.seq_len > m.max_positions:
@@ -401,7 +413,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     fits=fits_device and fits_host, device=device, peak_phase=peak_phase, phases=dict(phases),
                     host_components=host_components, host_capacity_bytes=int(host_cap), fits_device=fits_device,
                     fits_host=fits_host, model_state_bytes=int(states.model_state_bytes), params=bd.total,
-                    summary=summary, notes=notes,
+                    summary=summary, notes=notes, bound_bytes=bound, bound_widths=widths,
                     calibration="calibrated on this machine" if correction is not None else
                     "prior; process baseline measured on this machine" if cal.process_measured and
                     world.accelerator == "cpu" else "prior")

@@ -292,17 +292,12 @@ def _mmap_lowerable(cfg: RunConfig) -> bool:
     return mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > CPU_MMAP_THRESHOLD
 
 
-FAST_MMAP_HEADROOM = 0.15
-"""The RSS estimate is validated at a 1 MiB mmap threshold; at 32 MiB (activations on the heap) it erred by
--6% to +13%, with mmap off (0) by -9.6% to +20% (benchmarks/rss_validation.py --set quick --mmap N). The fast
-settings are only chosen with this to spare."""
-
-
 def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration = DEFAULT_CALIBRATION
                            ) -> RunConfig:
-    """``launcher.mmap_threshold_mib`` auto (None) made concrete: the fastest setting the run fits at with
-    FAST_MMAP_HEADROOM to spare: 0 (mmap off), else 32 MiB, else the memory-saving 1 MiB. GPU ranks: 1 (the
-    setting only applies to CPU ranks' activations; host allocations of GPU ranks are few)."""
+    """``launcher.mmap_threshold_mib`` auto (None) made concrete: the fastest setting whose own bound fits: 0
+    (mmap off), else 32 MiB, else the memory-saving 1 MiB. The bound at 0 and 32 is wide (the untrimmed heap
+    follows the allocation order, bound.HEAP_UNTRIMMED), so the fast settings need that much room. GPU ranks: 1
+    (the setting only applies to CPU ranks' activations; host allocations of GPU ranks are few)."""
     if cfg.launcher.mmap_threshold_mib is not None:
         return cfg
 
@@ -312,8 +307,7 @@ def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibr
     if plan.world.accelerator != "cpu":
         return at(1)
     for mib in (MMAP_OFF_MIB, FAST_MMAP_THRESHOLD_MIB):
-        est = estimate(at(mib), plan, hw, cal=cal)
-        if est.per_rank_peak_bytes * (1 + FAST_MMAP_HEADROOM) <= est.device_capacity_bytes and est.fits_host:
+        if estimate(at(mib), plan, hw, cal=cal).fits:
             return at(mib)
     return at(1)
 
@@ -334,8 +328,9 @@ def _shortfall(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
     parts = []
     if not est.fits_device:
         top = ", ".join(f"{name} {gib(v)}" for name, v in est.top(3))
-        parts.append(f"{_describe(cfg, plan, est)} needs {gib(est.per_rank_peak_bytes)} per {unit} "
-                     f"(peak in the {est.peak_phase} phase) but has {gib(est.device_capacity_bytes)}. "
+        parts.append(f"{_describe(cfg, plan, est)} needs {gib(est.per_rank_peak_bytes)} (at most "
+                     f"{gib(est.bound_bytes)}) per {unit} (peak in the {est.peak_phase} phase) but has "
+                     f"{gib(est.device_capacity_bytes)}. "
                      f"Biggest: {top}.")
     if not est.fits_host:
         parts.append(f"Host RAM per node: needs {gib(est.host_bytes_per_node)}, has {gib(est.host_capacity_bytes)}.")
@@ -360,8 +355,8 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     if est.fits:
         unit = "GPU" if est.device == "cuda" else "rank"
         return GateDecision(True, mode, cfg, est, est,
-                            message=f"fits: {gib(est.per_rank_peak_bytes)} of {gib(est.device_capacity_bytes)} "
-                                    f"per {unit} (peak in the {est.peak_phase} phase).")
+                            message=f"fits: {gib(est.per_rank_peak_bytes)}, at most {gib(est.bound_bytes)}, of "
+                                    f"{gib(est.device_capacity_bytes)} per {unit} (peak in the {est.peak_phase} phase).")
     found = autofit(cfg, plan, hw, cal=cal)
     shortfall = _shortfall(cfg, plan, est)
     if found is None:
@@ -384,12 +379,14 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     overrides = [c.override() for c in changes]
     if mode == GateMode.autofit:
         why = "; ".join(f"{c.override()} ({c.why})" for c in changes)
-        msg = (f"{shortfall} autofit: {' '.join(overrides)} → {gib(new_est.per_rank_peak_bytes)} of "
+        msg = (f"{shortfall} autofit: {' '.join(overrides)} → {gib(new_est.per_rank_peak_bytes)}, at most "
+               f"{gib(new_est.bound_bytes)}, of "
                f"{gib(new_est.device_capacity_bytes)}, predicted {found.step.seconds:.3g} s/step (within "
                f"{SPEED_TIE:.0%} of the fastest of {found.fitting} config(s) that fit). Why: {why}.")
         return GateDecision(True, mode, new_cfg, new_est, est, changes=changes, message=msg, suggestion=overrides,
                             step=found.step)
-    msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}): {' '.join(overrides)} — "
+    msg = (f"{shortfall} A config that fits ({gib(new_est.per_rank_peak_bytes)}, at most {gib(new_est.bound_bytes)}): "
+           f"{' '.join(overrides)} — "
            "add these overrides, or gate=autofit to apply them, or gate=warn to launch anyway.")
     alt = _with_8bit(cfg, plan, hw, cal)
     if alt and "optimizer=adamw8bit" in alt and alt != overrides:

@@ -55,13 +55,14 @@ def compare_with_estimate(estimate: Dict[str, Any], memory: List[Dict[str, Any]]
         est = estimate
         if "pipeline_stage" in row and estimate.get("pipeline_stages"):
             est = estimate["pipeline_stages"][row["pipeline_stage"]]
-        estimated = est.get("per_rank_peak_bytes")
+        estimated, bound = est.get("per_rank_peak_bytes"), est.get("per_rank_bound_bytes")
         if "device_bytes" in row:
             measured, what = row["device_bytes"]["device_peak"], "device peak (allocator reserved + outside it)"
         else:
             measured, what = row["peak_rss_bytes"], "peak RSS"
         out.append({"rank": row["rank"], "measure": what, "estimated_bytes": estimated, "measured_bytes": measured,
                     "error": (estimated - measured) / measured if estimated and measured else None,
+                    "bound_bytes": bound, "within_bound": measured <= bound if bound and measured else None,
                     "calibration": (estimate.get("calibration") or {}).get("source", "prior")})
     return out
 
@@ -73,10 +74,15 @@ def oom_lines(comparison: List[Dict[str, Any]]) -> List[str]:
         return []
     worst = max(rows, key=lambda c: c["measured_bytes"])
     est = worst["estimated_bytes"]
+    at_most = f", at most {worst['bound_bytes'] / GIB:.2f} GiB" if worst.get("bound_bytes") else ""
     lines = [f"memory: {worst['measure']} {worst['measured_bytes'] / GIB:.2f} GiB (rank {worst['rank']}, the most), "
-             f"gate estimated {est / GIB:.2f} GiB: {100 * worst['error']:+.1f}% ({worst['calibration']})."]
+             f"gate estimated {est / GIB:.2f} GiB{at_most}: {100 * worst['error']:+.1f}% ({worst['calibration']})."]
     for c in rows:
-        if c["measured_bytes"] > c["estimated_bytes"]:
+        if c.get("within_bound") is False:
+            lines.append(f"warning: rank {c['rank']} used {c['measured_bytes'] / GIB:.2f} GiB, above the gate's bound "
+                         f"of {c['bound_bytes'] / GIB:.2f} GiB: please report it (estimate.json and summary.json), and "
+                         "leave headroom or calibrate on this machine (zerorun-calibrate with the same overrides).")
+        elif c["measured_bytes"] > c["estimated_bytes"]:
             lines.append(f"warning: rank {c['rank']} used {c['measured_bytes'] / GIB:.2f} GiB, "
                          f"{100 * -c['error']:.1f}% more than the gate's {c['estimated_bytes'] / GIB:.2f} GiB: leave "
                          "headroom, or calibrate on this machine (zerorun-calibrate with the same overrides).")

@@ -1,0 +1,69 @@
+"""The bound the gate decides on (zerorun/memory/bound.py): above the point, as wide as each term is uncertain."""
+import dataclasses
+
+from hypothesis import given, settings, strategies as st
+
+from helpers import A100_8, CPU2, CPU_HOST, GPU8, composed
+from zerorun import memory as M
+from zerorun.config import make_plan
+from zerorun.hardware import GIB
+from zerorun.memory.bound import OVERHEAD_TERMS, term_widths, upper_bound
+
+TERMS = st.dictionaries(st.sampled_from(["parameters", "activations", "logits + loss", *OVERHEAD_TERMS]),
+                        st.integers(0, 2**40), max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(components=TERMS, accelerator=st.sampled_from(["cpu", "cuda"]), measured=st.booleans(),
+       mmap=st.sampled_from([1 << 20, 32 << 20, 1 << 62]), calibrated=st.booleans())
+def test_the_bound_is_never_below_the_point_and_grows_with_any_term(components, accelerator, measured, mmap,
+                                                                    calibrated):
+    point = sum(components.values())
+    widths = term_widths(components, accelerator=accelerator, process_measured=measured, mmap_threshold=mmap,
+                         calibrated=calibrated)
+    bound = upper_bound(point, widths)
+    assert point <= bound <= point + sum(widths.values()) + 1
+    for name in components:
+        more = dict(components, **{name: components[name] + 2**30})
+        wider = upper_bound(point + 2**30, term_widths(more, accelerator=accelerator, process_measured=measured,
+                                                       mmap_threshold=mmap, calibrated=calibrated))
+        assert wider >= bound, name
+
+
+def est(cfg, world=CPU2, hw=CPU_HOST, cal=M.DEFAULT_CALIBRATION):
+    return M.estimate(cfg, make_plan(cfg, world), hw, cal=cal)
+
+
+def at_mmap(cfg, mib):
+    return dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, mmap_threshold_mib=mib))
+
+
+def test_what_was_measured_is_tight_and_priors_are_wide():
+    cfg = composed("+model=gpt2", "precision=bf16", "data.seq_len=256", "trainer.micro_batch_size=2")
+    prior, measured = est(at_mmap(cfg, 1)), est(at_mmap(cfg, 1), cal=dataclasses.replace(M.DEFAULT_CALIBRATION,
+                                                                                          process_measured=True))
+    assert prior.bound_widths["process runtime"] > measured.bound_widths["process runtime"] > 0
+    # At the validated 1 MiB threshold the bound is within 10% of the point; mmap off leaves the heap to the
+    # allocation order, and its bound says so.
+    assert measured.bound_bytes <= 1.10 * measured.per_rank_peak_bytes
+    off = est(at_mmap(cfg, 0), cal=dataclasses.replace(M.DEFAULT_CALIBRATION, process_measured=True))
+    assert off.bound_widths["heap (mmap off or 32 MiB)"] > 0.5 * (off.bound_bytes - off.per_rank_peak_bytes)
+    # GPU: the CUDA context and NCCL are priors until a GPU calibration measures them.
+    gpu = M.estimate(cfg, make_plan(cfg, GPU8), A100_8)
+    assert {"CUDA context", "NCCL buffers", "allocator margin"} <= set(gpu.bound_widths)
+    assert gpu.bound_bytes - gpu.per_rank_peak_bytes > 1 * GIB
+
+
+def test_the_gate_decides_on_the_bound_and_says_both():
+    cfg = at_mmap(composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", "gate=strict"), 1)
+    e = est(cfg)
+    plan = make_plan(cfg, CPU2)
+    between = dataclasses.replace(CPU_HOST, host_mem_bytes=int((e.per_rank_peak_bytes + e.bound_bytes) / 2 * 2))
+    refused = M.gate(cfg, plan, between)
+    assert not refused.estimate.fits and refused.estimate.per_rank_peak_bytes <= refused.estimate.device_capacity_bytes
+    assert "at most" in refused.message
+    roomy = dataclasses.replace(CPU_HOST, host_mem_bytes=int(e.bound_bytes * 2 * 1.01))
+    ok = M.gate(cfg, plan, roomy)
+    assert ok.ok and f"at most {e.bound_bytes / GIB:.2f} GiB" in ok.message
+    j = ok.estimate.to_json()
+    assert j["per_rank_bound_bytes"] == e.bound_bytes and j["bound_widths"] == e.bound_widths

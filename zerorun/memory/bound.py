@@ -1,0 +1,75 @@
+"""§5.6 The bound: the point estimate plus what each of its terms may be off by, so the gate decides on "at
+most" rather than on a point and a flat margin.
+
+Every component of the peak is one of four kinds, and its uncertainty is how well that kind was established
+(docs/memory.md §5.6; the widths are the spreads measured there, not fitted to a set):
+
+    counted   tensors zerorun counts byte by byte (states, activations, buffers): tensor level within 4%
+    measured  measured on this machine (the process baseline, a calibration's correction): run-to-run spread
+    prior     a constant from other machines or the literature (CUDA context, NCCL, allocator margin): wide
+    heap      what glibc keeps resident beyond live tensors on CPU ranks: wide, and wider when the mmap
+              threshold keeps every activation on the heap (0 or 32 MiB), where fragmentation follows the
+              allocation order (measured -37% to +80% of the whole figure on shapes never fitted)
+
+Counted terms err together (one model of the step), so they add linearly; the other terms are independent of
+it and of each other and add in quadrature. The bound is one-sided: what can run out is the high side.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping
+
+from ..config.rules import CPU_MMAP_THRESHOLD
+
+COUNTED = 0.04
+"""Tensor level: the allocator peak within median 0.04%, worst 4.0% (tests/integration/test_memory_validation.py)."""
+MEASURED_PROCESS = 0.05
+"""The process baseline measured here: 423-425 MiB on every rank of one machine, tens of MiB between machines."""
+PRIOR_PROCESS = 0.20
+"""The 430 MiB prior where nothing was measured: another machine sat 63-72 MiB (15-17%) higher."""
+CORRECTION_SPREAD = 0.03
+"""A calibrated config: identical runs differ by up to ~3% of the whole figure with the heap untrimmed."""
+HEAP_VALIDATED = 0.5
+"""heap retention at the 1 MiB threshold: measured 1.4-2.5 bytes per heap byte against the 2.0 counted."""
+HEAP_UNTRIMMED = 0.75
+"""mmap off / 32 MiB: the resident heap beyond live tensors depends on the order blocks are freed and reused.
+Measured on shapes never fitted: up to 37% of the peak above the point estimate (GPT-2 small, ZeRO-3, fp32,
+checkpointing: 4,550 MiB against 2,877 MiB), i.e. ~0.75 of the bytes the allocator holds at the peak."""
+PRIORS = {  # (relative width, where nothing measured the term)
+    "CUDA context": 1.7,        # 0.5 GiB prior; 287 MB lazy to 1343 MB on older CUDA (§5.2)
+    "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
+    "allocator margin": 1.0,    # 5-15% of the allocator peak (§5.2)
+    "allocator and runtime overhead": 0.5,  # 35-80 MiB measured against 32-64 MiB counted (§5.4)
+    "16-bit loss (CPU)": 1.0,   # 16-46 MiB measured, not explained at tensor level (§5.4)
+}
+OVERHEAD_TERMS = ("process runtime", "heap retention", "measured correction (this machine)", *PRIORS)
+
+
+def term_widths(components: Mapping[str, int], *, accelerator: str, process_measured: bool,
+                mmap_threshold: int = CPU_MMAP_THRESHOLD, calibrated: bool = False) -> Dict[str, int]:
+    """Each uncertain part of the figure, in bytes on the high side: the counted tensors together, then every
+    other term on its own."""
+    counted = sum(v for k, v in components.items() if k not in OVERHEAD_TERMS)
+    widths: Dict[str, int] = {"counted tensors": int(COUNTED * counted)}
+    for name, width in PRIORS.items():
+        if components.get(name):
+            widths[name] = int(width * components[name])
+    if "process runtime" in components:
+        widths["process runtime"] = int((MEASURED_PROCESS if process_measured else PRIOR_PROCESS)
+                                        * components["process runtime"])
+    if accelerator == "cpu":
+        if mmap_threshold > CPU_MMAP_THRESHOLD:  # every activation's block stays on the heap
+            widths["heap (mmap off or 32 MiB)"] = int(HEAP_UNTRIMMED * counted)
+        else:
+            widths["heap retention"] = int(HEAP_VALIDATED * components.get("heap retention", 0))
+    if calibrated:  # the correction measured this config here: what is left is run-to-run spread
+        widths = {"run to run (calibrated)": int(CORRECTION_SPREAD * sum(components.values()))}
+    return {k: v for k, v in widths.items() if v > 0}
+
+
+def upper_bound(point: int, widths: Mapping[str, int]) -> int:
+    """The point estimate plus the counted tensors' width and the others' in quadrature."""
+    counted = widths.get("counted tensors", 0)
+    others = [v for k, v in widths.items() if k != "counted tensors"]
+    return int(point + counted + math.sqrt(sum(v * v for v in others)))
+
