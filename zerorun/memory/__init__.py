@@ -7,11 +7,14 @@ Each module is one section of docs/memory.md:
   §3 activations.py  what one micro-batch saves for backward, and the logits/loss transient
   §4 buffers.py      gradient buckets, ZeRO-3 gathered parameters, end-of-backward transients
   §5 estimate.py     the phases of a step, the peak over them, overheads, capacity
+     priors.py       the terms no tensor count gives (context, NCCL, process, heap), calibration corrections
+     bound.py        each term's uncertainty and the upper bound the gate decides on
   §6 stages.py       pipeline stages: layers, 1F1B depth, the pipeline engine's buffers
   §7 gate.py         refuse, warn, or autofit the fastest config that fits; the estimate table's rows
 """
 from .activations import DTYPE_BYTES, Activations, activations, attention_kernel
-from .estimate import DEFAULT_CALIBRATION, OVERHEADS, Calibration, Estimate, correction_key, estimate, gib
+from .estimate import Estimate, estimate, gib
+from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
 from .gate import Change, GateDecision, autofit, gate, resolve_mmap_threshold, runtime_oom_repair, table_configs
 from .params import ParamBreakdown, count_params, model_key, param_breakdown
 from .stages import PipelineStage, partition_balanced, partition_uniform, pipeline_layer_params, pipeline_stages

@@ -17,7 +17,8 @@ from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMod
 from ..config.rules import CPU_MMAP_THRESHOLD, FAST_MMAP_THRESHOLD_MIB, MMAP_OFF_MIB, mmap_threshold_bytes
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
-from .estimate import DEFAULT_CALIBRATION, Calibration, Estimate, estimate, gib
+from .estimate import Estimate, estimate, gib
+from .priors import DEFAULT_CALIBRATION, Calibration
 
 
 @dataclass(frozen=True)

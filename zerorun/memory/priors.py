@@ -1,0 +1,85 @@
+"""§5.2-§5.5 The terms no tensor count gives: what lives outside PyTorch's allocator, what the allocator keeps
+beyond live tensors, and the corrections measured on this machine (zerorun-calibrate), with the key they are
+stored under. Priors until something measures them; the bound (bound.py) gives each its width."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ..config import Dtype, Family, OffloadDevice, Plan, RunConfig
+from ..config.rules import mmap_threshold_bytes
+from ..hardware import GIB, Hardware
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The terms no tensor count gives: what lives outside PyTorch's allocator, what the allocator keeps
+    beyond live tensors, and measured corrections for this machine (§5.2-§5.5). GPU terms are priors until
+    a calibration on the GPU replaces them (§5.5)."""
+
+    cuda_context_bytes: int = GIB // 2
+    """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5.2)."""
+    nccl_bytes: int = 1 * GIB
+    """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§5.2)."""
+    allocator_margin: float = 0.10
+    """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2), with fixed-size segments."""
+    allocator_margin_expandable: float = 0.05
+    """The same with expandable segments (launcher.expandable_segments, the default): segments grow in place,
+    so what stays reserved beyond the peak is mostly rounding to 2 MiB pages. A prior until `make
+    gpu-validate` measures it (§5.2)."""
+    cpu_process_bytes: int = 430 * 2**20
+    """Resident memory of a CPU rank with everything imported (torch, transformers' model code, DeepSpeed and
+    its CPU ops, the gloo group) before any tensor: 423-425 MiB measured on every rank of every run of
+    benchmarks/rss_validation.py here (torch 2.13, DeepSpeed 0.19.8, transformers 4.57; §5.4)."""
+    cuda_process_host_bytes: int = GIB
+    """Host resident memory of a GPU rank before any tensor: the CPU figure plus the CUDA runtime and the
+    kernel libraries it maps. A prior, not measured by zerorun (§5.2)."""
+    cpu_overhead_bytes: int = 32 * 2**20
+    """CPU ranks: what a rank's resident set grows by beyond its tensors in training: code paged in by the
+    backward and optimizer kernels, small Python and allocator bookkeeping (35-41 MiB measured at ZeRO-0 where
+    the activations live in their own mappings; §5.4)."""
+    cpu_zero_overhead_bytes: int = 32 * 2**20
+    """CPU ranks at ZeRO ≥ 1: the ZeRO optimizer's start-up adds resident memory with no tensor behind it
+    (+48 MiB at "built" on tiny GPT-2; 74-80 MiB overhead in all measured at ZeRO-1/2; §5.4)."""
+    cpu_16bit_loss_bytes_per_logit: int = 4
+    """CPU ranks, 16-bit causal LM: resident bytes per b·s·V logit beyond the tensors the loss holds (§3.5 counts
+    those). Measured, not explained at tensor level: tiny GPT-2 in bf16 ran 16 MiB (micro 4) and 30-46 MiB
+    (micro 8, ZeRO-2 + checkpointing) above the estimate without it, fp32 did not (benchmarks/rss_validation.py)."""
+    heap_retention: float = 2.0
+    """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
+    the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
+    process_measured: bool = False
+    """``cpu_process_bytes`` was measured on this machine (zerorun.train.baseline), not the prior."""
+    environment: str = ""
+    """What corrections are only valid for: versions of torch, DeepSpeed, transformers and zerorun."""
+    corrections: Tuple[Tuple[str, int], ...] = ()
+    """Measured on this machine (zerorun-calibrate): (correction_key, measured − estimated bytes)."""
+
+    def correction(self, key: str) -> Optional[int]:
+        return next((c for k, c in self.corrections if k == key), None)
+
+
+DEFAULT_CALIBRATION = Calibration()
+OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
+             "16-bit loss (CPU)",
+             "heap retention", "measured correction (this machine)")
+
+
+def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -> str:
+    """What a measured correction depends on (§5.5): the architecture, the batch shape, precision, ZeRO stage
+    and offload, the ranks and layout on a node, the device model and the software versions. Not the number of
+    nodes: the probe runs one node."""
+    import hashlib
+    import json
+
+    m = cfg.model
+    parts = {"arch": [Family(m.family).value, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size,
+                      m.vocab_size, m.max_positions, m.dropout], "task": plan.task.value,
+             "labels": cfg.task.num_labels, "seq": plan.seq_len, "micro": plan.micro_batch_size,
+             "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
+             "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
+             "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
+             "node": [plan.world.nproc_per_node, plan.pipeline_stages],
+             "optimizer": plan.optimizer.value, "mmap_threshold": mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
+             "environment": environment}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
