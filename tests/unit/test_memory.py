@@ -210,11 +210,13 @@ def test_to_json_and_cpu_ranks():
 
 
 def test_estimate_is_fast():
+    # This process's CPU time, not the wall clock: other jobs on the machine do not move it (the figure itself,
+    # ~0.1 ms per estimate, is what zerorun-estimate prints on its last line).
     cfg = composed("+model=gpt2-xl", "zero=stage3")
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for stage in range(4):
         estimate(dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage)), GPU8, A100_8)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
 
 
 # --------------------------------------------------------------------------------------------- gate
