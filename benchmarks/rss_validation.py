@@ -176,7 +176,8 @@ def rescore(rows: List[Dict]) -> List[Dict]:
 
     hw, out = detect(), []
     for r in rows:
-        ovs = [*BASE, *r["config"].split()]
+        mode = r.get("mmap_mib")  # the mode the run used (random sets: auto's choice), else BASE's
+        ovs = [*(BASE if mode is None else [*BASE[:-1], f"launcher.mmap_threshold_mib={mode}"]), *r["config"].split()]
         if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
             ovs.append("launcher.nproc_per_node=2")
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
@@ -185,7 +186,8 @@ def rescore(rows: List[Dict]) -> List[Dict]:
         est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()
-        out.append(dict(r, estimate=e["per_rank_peak_bytes"], phase=e["peak_phase"]))
+        out.append(dict(r, estimate=e["per_rank_peak_bytes"], phase=e["peak_phase"],
+                        bound=e.get("per_rank_bound_bytes")))
     return out
 
 
