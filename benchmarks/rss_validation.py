@@ -223,6 +223,8 @@ def main() -> None:
                     help="run zerorun-calibrate on each point first (a fresh calibration cache), then the run")
     ap.add_argument("--random", type=int, metavar="N",
                     help="N configs drawn uniformly from the supported space (mmap mode: auto), not a fixed set")
+    ap.add_argument("--pin-mmap", type=int, metavar="MIB",
+                    help="--random: run every drawn config at this mmap threshold instead of auto's choice")
     ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
     ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
@@ -249,8 +251,11 @@ def main() -> None:
     BASE[-1] = f"launcher.mmap_threshold_mib={args.mmap}"
     if args.random:
         seed = args.seed if args.seed is not None else int(time.time())
-        print(f"random set: --random {args.random} --seed {seed} (the mmap mode is auto's)", flush=True)
+        mode = "auto's" if args.pin_mmap is None else f"pinned at {args.pin_mmap} MiB"
+        print(f"random set: --random {args.random} --seed {seed} (the mmap mode is {mode})", flush=True)
         BASE.pop()  # launcher.mmap_threshold_mib: auto, as a user's run
+        if args.pin_mmap is not None:  # the same draws in one fixed mode (what auto would get if it chose it)
+            BASE.append(f"launcher.mmap_threshold_mib={args.pin_mmap}")
         chosen = random_points(args.random, seed, work)
     else:
         chosen = points(args.set, work)
