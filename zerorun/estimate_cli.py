@@ -66,9 +66,9 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                          f"{_gib(st['per_rank_peak_bytes'])} ({st['peak_phase']})")
     cap = _gib(first.device_capacity_bytes)
     if hw.accelerator == "cuda":
-        margin = first.components.get("allocator margin", 0) / max(1, first.per_rank_peak_bytes - sum(
-            first.components.get(k, 0) for k in ("allocator margin", "CUDA context", "NCCL buffers")))
-        lines.append(f"capacity {cap} per GPU. Peak = {1 + margin:.2f} × allocator peak + CUDA context "
+        from .memory.estimate import allocator_margin
+
+        lines.append(f"capacity {cap} per GPU. Peak = {1 + allocator_margin(cfg, cal):.2f} × allocator peak + CUDA context "
                      f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
                      " (uncalibrated priors, docs/memory.md §5.2).")
     else:

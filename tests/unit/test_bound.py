@@ -7,9 +7,10 @@ from helpers import A100_8, CPU2, CPU_HOST, GPU8, composed
 from zerorun import memory as M
 from zerorun.config import make_plan
 from zerorun.hardware import GIB
-from zerorun.memory.bound import OVERHEAD_TERMS, term_widths, upper_bound
+from zerorun.memory.bound import term_widths, upper_bound
+from zerorun.memory.priors import OVERHEADS
 
-TERMS = st.dictionaries(st.sampled_from(["parameters", "activations", "logits + loss", *OVERHEAD_TERMS]),
+TERMS = st.dictionaries(st.sampled_from(["parameters", "activations", "logits + loss", *OVERHEADS]),
                         st.integers(0, 2**40), max_size=8)
 
 

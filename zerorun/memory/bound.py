@@ -20,6 +20,7 @@ import math
 from typing import Dict, Mapping
 
 from ..config.rules import CPU_MMAP_THRESHOLD
+from .priors import OVERHEADS
 
 COUNTED = 0.04
 """Tensor level: the allocator peak within median 0.04%, worst 4.0% (tests/integration/test_memory_validation.py)."""
@@ -42,14 +43,13 @@ PRIORS = {  # (relative width, where nothing measured the term)
     "allocator and runtime overhead": 0.5,  # 35-80 MiB measured against 32-64 MiB counted (§5.4)
     "16-bit loss (CPU)": 1.0,   # 16-46 MiB measured, not explained at tensor level (§5.4)
 }
-OVERHEAD_TERMS = ("process runtime", "heap retention", "measured correction (this machine)", *PRIORS)
 
 
 def term_widths(components: Mapping[str, int], *, accelerator: str, process_measured: bool,
                 mmap_threshold: int = CPU_MMAP_THRESHOLD, calibrated: bool = False) -> Dict[str, int]:
     """Each uncertain part of the figure, in bytes on the high side: the counted tensors together, then every
     other term on its own."""
-    counted = sum(v for k, v in components.items() if k not in OVERHEAD_TERMS)
+    counted = sum(v for k, v in components.items() if k not in OVERHEADS)
     widths: Dict[str, int] = {"counted tensors": int(COUNTED * counted)}
     for name, width in PRIORS.items():
         if components.get(name):

@@ -297,7 +297,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"
     else:
-        margin = cal.allocator_margin_expandable if _expandable(cfg) else cal.allocator_margin
+        margin = allocator_margin(cfg, cal)
         comps["allocator margin"] = int(margin * alloc_peak)
         comps["CUDA context"] = cal.cuda_context_bytes
         if world.size > 1:
@@ -346,10 +346,11 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     world.accelerator == "cpu" else "prior")
 
 
-def _expandable(cfg: RunConfig) -> bool:
-    """Whether the ranks' CUDA allocator runs with expandable segments (zerorun sets it unless told not to, or
-    unless the user's own PYTORCH_CUDA_ALLOC_CONF decides)."""
+def allocator_margin(cfg: RunConfig, cal: Calibration) -> float:
+    """CUDA ranks: the caching allocator's margin over its peak, by whether it runs with expandable segments
+    (zerorun sets them unless told not to, or unless the user's own PYTORCH_CUDA_ALLOC_CONF decides)."""
     import os
 
     own = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    return "expandable_segments:True" in own if own is not None else cfg.launcher.expandable_segments
+    expandable = "expandable_segments:True" in own if own is not None else cfg.launcher.expandable_segments
+    return cal.allocator_margin_expandable if expandable else cal.allocator_margin
