@@ -43,6 +43,21 @@ def environment() -> str:
     return ",".join(f"{n}={version(n)}" for n in ("torch", "deepspeed", "transformers", "zerorun"))
 
 
+def boot_id() -> str:
+    """This boot of this machine. A process baseline is kept for one boot only: what a rank's imports hold resident
+    moved by 67 MiB between boots of one machine with the same software (ranks at 428 MiB "ready" gated with a
+    495 MiB baseline stored earlier: every tiny model 9-14% over), so it is measured again after a reboot (6 s)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "-"
+
+
+def baseline_current(record: Optional[Dict[str, Any]], env: str) -> bool:
+    """A stored process baseline applies: the same software, measured since this machine last booted."""
+    return bool(record) and record.get("environment") == env and record.get("boot") == boot_id()
+
+
 def cache_file(cfg: RunConfig) -> Path:
     from .data import cache_root
 
@@ -76,7 +91,7 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
                         if r.get("environment") == env and "correction_bytes" in r)
     cal = dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
     baseline = records.get(baseline_key(cfg, hw)) if hw is not None and hw.accelerator == "cpu" else None
-    if baseline and baseline.get("environment") == env:
+    if baseline_current(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
     return cal
 
@@ -93,9 +108,9 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
 
     path = cache_file(cfg)
     key, env = baseline_key(cfg, hw), environment()
-    if hw.accelerator != "cpu" or load(path).get(key, {}).get("environment") == env:
+    if hw.accelerator != "cpu" or baseline_current(load(path).get(key), env):
         return
-    log("measuring a CPU rank's process baseline on this machine (once per machine and software) ...")
+    log("measuring a CPU rank's process baseline on this machine (once per boot and software) ...")
     t0 = time.perf_counter()
     proc = None
     try:
@@ -110,7 +125,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load(path)
-    records[key] = {"baseline_bytes": measured, "environment": env, "device": hw.device_name,
+    records[key] = {"baseline_bytes": measured, "environment": env, "boot": boot_id(), "device": hw.device_name,
                     "model": cfg.model.family.value, "measure": "VmHWM of a rank at ready",
                     "seconds": round(time.perf_counter() - t0, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_atomic(path, json.dumps(records, indent=2) + "\n")
@@ -142,7 +157,7 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
 
     pcfg = probe_config(cfg, hw)
     world = plan_world(pcfg, hw, nodes=1)
-    plan = make_plan(pcfg, world)
+    plan = make_plan(pcfg, world, prepared.longest)
     ensure_baseline(cfg, hw, log=log)  # the correction is measured over the machine's own baseline
     prior = dataclasses.replace(calibration_for(cfg, hw), corrections=())
     est = estimate(pcfg, plan, hw, cal=prior)

@@ -100,14 +100,11 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
     gate_world = plan_world(cfg, plan_hw)
-    if cfg.launcher.mmap_threshold_mib is None:  # auto: the fast setting only where its own bound fits
-        cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world), plan_hw, cal)
+    if cfg.launcher.mmap_threshold_mib is None:  # auto: the validated memory-saving setting
+        cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world, prepared.longest), plan_hw, cal)
         if world.accelerator == "cpu":
-            say({0: "CPU ranks: mmap off (fastest: freed memory is reused, not page-faulted anew; its bound fits)",
-                 32: "CPU ranks: mmap threshold 32 MiB (fast: its bound fits; "
-                     "launcher.mmap_threshold_mib=0 is faster and needs more memory)"}.get(
-                cfg.launcher.mmap_threshold_mib, "CPU ranks: mmap threshold 1 MiB (memory-saving: freed activations "
-                "go back to the OS; launcher.mmap_threshold_mib=32 is faster)"))
+            say("CPU ranks: mmap threshold 1 MiB (freed activations go back to the OS; the validated figure; "
+                "launcher.mmap_threshold_mib=0 is faster and holds more resident, with a wider bound)")
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
@@ -120,7 +117,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     if gate_world.size != world.size or plan_hw.accelerator != world.accelerator:
         say(f"memory gate plans for the declared hardware: {plan_hw.describe()}, {gate_world.size} rank(s); "
             f"this machine launches {world.size} {world.accelerator} rank(s).")
-    decision = gate(cfg, make_plan(cfg, gate_world), plan_hw, cal=cal)
+    decision = gate(cfg, make_plan(cfg, gate_world, prepared.longest), plan_hw, cal=cal)
     if not decision.ok:
         raise decision.refusal()
     if decision.warning:
@@ -146,7 +143,8 @@ def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
     say(hw.describe())
     prepared = prepare(cfg.data, cfg.model, cfg.seed, make_plan(cfg, world).task.value, cfg.task.num_labels)
     say(f"data: {prepared.source}, {prepared.task}: {prepared.num_train} train / {prepared.num_val} "
-        f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} {prepared.seq_len} tokens"
+        f"validation {'blocks of' if prepared.task == 'causal_lm' else 'examples up to'} "
+        f"{prepared.longest or prepared.seq_len} tokens"
         f"{' (cached)' if prepared.cached else ''}; tokenizer vocab {prepared.vocab_size}")
     cfg, resume = resume_point(cfg, world, run_dir, say)
     first = _prepare(cfg, world, hw, prepared, run_dir, resume)
@@ -189,7 +187,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     if cfg.offload.device == OffloadDevice.nvme and not cfg.offload.nvme_path:
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
-    plan = make_plan(cfg, world)
+    plan = make_plan(cfg, world, prepared.longest)
     checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "

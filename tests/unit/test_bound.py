@@ -68,3 +68,25 @@ def test_the_gate_decides_on_the_bound_and_says_both():
     assert ok.ok and f"at most {e.bound_bytes / GIB:.2f} GiB" in ok.message
     j = ok.estimate.to_json()
     assert j["per_rank_bound_bytes"] == e.bound_bytes and j["bound_widths"] == e.bound_widths
+
+
+def test_a_stored_process_baseline_is_used_only_in_the_boot_it_was_measured(tmp_path, monkeypatch):
+    """Ranks sat at 428 MiB "ready" while a baseline stored in an earlier boot said 495 MiB: every tiny model read
+    9-14% over. A baseline from another boot or other software is measured again, not trusted."""
+    import json
+
+    from zerorun import calibration as C
+    from zerorun.hardware import Hardware
+
+    monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path))
+    cfg = composed("+model=tiny-gpt2")
+    hw = Hardware("cpu", 0, 0, 24 * GIB, 1, 2, fp16_ok=False, device_name="some CPU")
+    key, env = C.baseline_key(cfg, hw), C.environment()
+    for boot, used in ((C.boot_id(), True), ("an earlier boot", False)):
+        (tmp_path / C.CACHE_NAME).write_text(json.dumps({key: {"baseline_bytes": 123 << 20, "environment": env,
+                                                                "boot": boot}}))
+        cal = C.calibration_for(cfg, hw)
+        assert cal.process_measured is used and (cal.cpu_process_bytes == 123 << 20) is used
+    (tmp_path / C.CACHE_NAME).write_text(json.dumps({key: {"baseline_bytes": 123 << 20, "environment": "torch=0",
+                                                            "boot": C.boot_id()}}))
+    assert not C.calibration_for(cfg, hw).process_measured

@@ -156,19 +156,26 @@ class Plan:
         return cls(**d)
 
 
-def make_plan(cfg: RunConfig, world: World) -> Plan:
-    """The plan of ``cfg`` on ``world``. Pure; assumes ``check`` found nothing (it does not crash otherwise)."""
+def make_plan(cfg: RunConfig, world: World, longest: int = 0) -> Plan:
+    """The plan of ``cfg`` on ``world``. Pure; assumes ``check`` found nothing (it does not crash otherwise).
+
+    ``longest``: the data's longest example in tokens, when known (classification pads each batch to its own
+    longest row, so no batch is longer): the plan's ``seq_len`` is then the longest batch the data can make, not
+    ``data.seq_len``. A review set of 10-token examples under ``data.seq_len=128`` was estimated at 128 tokens
+    per row: +31% of MiniLM's peak RSS."""
     off = OffloadDevice(cfg.offload.device)
     offload_optimizer = cfg.zero.stage >= 1 and off != OffloadDevice.none
     pipeline = cfg.parallel.mode == ParallelMode.pipeline
+    task = resolve_task(cfg.task.name, cfg.model.family)
+    padded = task != TaskName.causal_lm and longest > 0
     return Plan(
         world=world,
-        task=resolve_task(cfg.task.name, cfg.model.family),
+        task=task,
         data_parallel_size=data_parallel_size(cfg, world),
         micro_batch_size=cfg.trainer.micro_batch_size,
         grad_accum_steps=grad_accum_steps(cfg, world),
         global_batch_size=global_batch(cfg, world),
-        seq_len=cfg.data.seq_len,
+        seq_len=min(cfg.data.seq_len, longest) if padded else cfg.data.seq_len,
         pipeline=pipeline,
         pipeline_stages=max(1, cfg.parallel.stages) if pipeline else 1,
         buckets=bucket_sizes(cfg),

@@ -100,6 +100,9 @@ class Prepared:
     label_names: List[str] = field(default_factory=list)
     source: str = ""
     cached: bool = False
+    longest: int = 0
+    """Classification: the longest example in tokens after truncation, so the longest padded batch (batches are
+    padded to their own longest row); 0 for packed LM blocks, which are always ``seq_len`` long."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -224,6 +227,8 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal
         if damaged is None:
             prepared = Prepared.load(out)
             prepared.cached = True
+            if task != "causal_lm" and not prepared.longest:  # written before the field existed
+                prepared.longest = max(longest_row(prepared.train), longest_row(prepared.val))
             return prepared
         log(f"the tokenized-data cache does not match its manifest ({damaged}): rebuilding it")
         shutil.rmtree(out, ignore_errors=True)
@@ -266,7 +271,8 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal
     prepared = Prepared(task=task, train=str(out / files[0]), val=str(out / files[1]),
                         tokenizer_dir=str(out / "tokenizer"), vocab_size=len(tokenizer), num_train=n_train,
                         num_val=n_val, seq_len=data.seq_len, cache_key=key, pad_id=int(pad_id),
-                        label_names=label_names, source=source)
+                        label_names=label_names, source=source,
+                        longest=0 if task == "causal_lm" else max(longest_row(tmp / f) for f in files))
     prepared.save(tmp)
     write_durably(tmp / MANIFEST, json.dumps(manifest(tmp)))  # last: what a reader checks before trusting it
     try:
@@ -274,6 +280,12 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, task: str = "causal
     except OSError:  # another process published the same key first
         shutil.rmtree(tmp, ignore_errors=True)
     return prepared
+
+
+def longest_row(path) -> int:
+    """The longest row of a ragged split (save_ragged), in tokens; 0 when it has none."""
+    offsets = np.load(path)["offsets"]
+    return int(np.diff(offsets).max()) if len(offsets) > 1 else 0
 
 
 def save_ragged(path: Path, ids: List[List[int]], labels: List[int]) -> None:

@@ -75,7 +75,7 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
     m = cfg.model
     parts = {"arch": [Family(m.family).value, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size,
                       m.vocab_size, m.max_positions, m.dropout], "task": plan.task.value,
-             "labels": cfg.task.num_labels, "seq": plan.seq_len, "micro": plan.micro_batch_size,
+             "labels": cfg.task.num_labels, "seq": cfg.data.seq_len, "micro": plan.micro_batch_size,
              "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
              "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
