@@ -41,7 +41,6 @@ PRIORS = {  # (relative width, where nothing measured the term)
     "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
     "allocator margin": 1.0,    # 5-15% of the allocator peak (§5.2)
     "allocator and runtime overhead": 0.5,  # 35-80 MiB measured against 32-64 MiB counted (§5.4)
-    "16-bit loss (CPU)": 1.0,   # 16-46 MiB measured, not explained at tensor level (§5.4)
 }
 
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
-from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig, TaskName
+from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
@@ -25,7 +25,8 @@ from .buffers import backward_buffers, embedding_grad_transient, first_reduce, z
 from .params import ParamBreakdown, model_key, param_breakdown
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
 from .stages import pipeline_stages, stage_view
-from .states import DS_SUB_GROUP_SIZE, ModelStates, host_step_bytes, model_states, phase, step_transient
+from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states, phase,
+                     step_transient)
 
 Phase = "OrderedDict[str, int]"
 
@@ -124,7 +125,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
     last = len(stages) - 1
-    per_stage = [rank_estimate(cfg, plan, hw, cal, *stage_view(cfg, bd, act, st, st.index == last), bd.total, key)
+    per_stage = [rank_estimate(cfg, plan, hw, cal, *stage_view(cfg, bd, act, st, st.index == last), bd.total, key,
+                               exporter=st.index == 0)  # global rank 0 holds stage 0 and writes the export
                  for st in stages]
     worst = max(range(len(stages)), key=lambda i: per_stage[i].per_rank_peak_bytes)
     est = per_stage[worst]
@@ -153,13 +155,17 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
 
 
 def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
-                  act: Activations, built_params: int, key: Tuple) -> Estimate:
+                  act: Activations, built_params: int, key: Tuple, exporter: bool = True) -> Estimate:
     """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
     or one pipeline stage); ``built_params``: what build_model() makes on every rank first (the whole
-    model); ``key``: the whole model's params.model_key."""
+    model); ``key``: the whole model's params.model_key; ``exporter``: this rank writes the final export."""
     states = model_states(cfg, plan, bd)
     bwd = backward_buffers(cfg, plan, bd, key)
     phases = step_phases(cfg, plan, bd, act, states, bwd)
+    gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter)
+    if gathered:  # after training: the states (as the step left them), the model gathered for the export
+        phases["export"] = phase([*states.device.items(), *bwd.resident, ("pipeline buffers", act.pipe_buffers),
+                                  ("model gathered for export", gathered)])
     host_steady = phase(states.host)
     if plan.world.accelerator == "cpu":
         # The device is host RAM: offloaded state shares it, and the fp32 build is an init phase.
@@ -240,11 +246,14 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     return phases
 
 
-def _zero3_regather_heap(cfg: RunConfig, bd: ParamBreakdown) -> int:
+def _zero3_regather_heap(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
     """CPU ranks, ZeRO-3 in 16-bit with checkpointing: recomputation gathers every layer's parameters a
     second time in backward, and the heap keeps about one more copy of the 16-bit layers resident
-    (measured on GPT-2 small: 208 MiB above live tensors, 162 MiB predicted; tiny GPT-2 2 MiB; §5.4)."""
-    if cfg.zero.stage != 3 or Dtype(cfg.precision.dtype) == Dtype.fp32 or not cfg.trainer.activation_checkpointing:
+    (measured on GPT-2 small: 208 MiB above live tensors, 162 MiB predicted; tiny GPT-2 2 MiB; §5.4). Not with
+    the parameters offloaded: they are gathered from the host partition into the same buffers (measured on GPT-2
+    small with CPU offload: the whole non-tensor residue 95 MiB, the process overhead alone)."""
+    if cfg.zero.stage != 3 or Dtype(cfg.precision.dtype) == Dtype.fp32 or not cfg.trainer.activation_checkpointing \
+            or plan.offload_params:
         return 0
     return bd.num_layers * bd.per_layer * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
 
@@ -284,15 +293,11 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
-        comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, bd)
+        comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, plan, bd)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
         comps["allocator and runtime overhead"] = cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
-        # Not on pipelines: only the last stage holds the logits, and no 16-bit pipeline point measured it.
-        if Dtype(cfg.precision.dtype) != Dtype.fp32 and plan.task == TaskName.causal_lm and not plan.pipeline:
-            comps["16-bit loss (CPU)"] = (cal.cpu_16bit_loss_bytes_per_logit * plan.micro_batch_size * plan.seq_len
-                                          * cfg.model.vocab_size)
         per_rank = sum(comps.values())
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"

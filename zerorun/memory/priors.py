@@ -41,10 +41,6 @@ class Calibration:
     cpu_zero_overhead_bytes: int = 32 * 2**20
     """CPU ranks at ZeRO ≥ 1: the ZeRO optimizer's start-up adds resident memory with no tensor behind it
     (+48 MiB at "built" on tiny GPT-2; 74-80 MiB overhead in all measured at ZeRO-1/2; §5.4)."""
-    cpu_16bit_loss_bytes_per_logit: int = 4
-    """CPU ranks, 16-bit causal LM: resident bytes per b·s·V logit beyond the tensors the loss holds (§3.5 counts
-    those). Measured, not explained at tensor level: tiny GPT-2 in bf16 ran 16 MiB (micro 4) and 30-46 MiB
-    (micro 8, ZeRO-2 + checkpointing) above the estimate without it, fp32 did not (benchmarks/rss_validation.py)."""
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
@@ -61,7 +57,6 @@ class Calibration:
 
 DEFAULT_CALIBRATION = Calibration()
 OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
-             "16-bit loss (CPU)",
              "heap retention", "measured correction (this machine)")
 
 

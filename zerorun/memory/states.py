@@ -208,6 +208,11 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     if stage == 0:
         if dtype == Dtype.fp32:
             return optimizer_step_bytes(plan, bd.largest_tensor)
+        if dtype == Dtype.bf16 and plan.pipeline:
+            # BF16_Optimizer (bf16_optimizer.py step): the flat 16-bit grad partition upcast to fp32, then the
+            # optimizer steps that one flat fp32 partition, not tensor by tensor (measured: GPT-2 small, 2
+            # stages, live tensors 331 MiB above a count that took the largest tensor).
+            return 4 * part + optimizer_step_bytes(plan, part)
         if unfused:
             return 4 * P + optimizer_step_bytes(plan, bd.largest_tensor)
         return max(8 * P, overflow)
@@ -229,6 +234,25 @@ def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
     weights = params * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     master = params * MASTER_BYTES if cfg.zero.stage >= 1 or Dtype(cfg.precision.dtype) != Dtype.fp32 else 0
     return weights + master + optimizer_state_bytes(cfg, plan, params)
+
+
+def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_params: int, exporter: bool) -> int:
+    """What the rank that writes the export (global rank 0) holds beyond its states while it does (train/export.py).
+
+    - ZeRO-0/1/2: the module's own tensors; safetensors writes them from their memory (no copy on the host).
+    - ZeRO-3: ``_zero3_consolidated_16bit_state_dict`` clones every gathered parameter on rank 0: the whole model
+      in the module dtype.
+    - A pipeline (pipeline/export.py ``gather_hf_state_dict``): rank 0 keeps its own stage uncopied and receives
+      the others one at a time, pickled: every other stage unpickled, plus the pickle of the last one in transit.
+    """
+    if not (cfg.trainer.export and exporter):
+        return 0
+    e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    if plan.pipeline:
+        others = max(0, built_params - stage_params)
+        in_transit = others // max(1, plan.pipeline_stages - 1)
+        return (others + in_transit) * e
+    return built_params * e if cfg.zero.stage == 3 else 0
 
 
 def export_bytes(cfg: RunConfig, params: int) -> int:

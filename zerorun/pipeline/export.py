@@ -114,18 +114,28 @@ def export_state_dict(source: Any, original_model: nn.Module) -> Dict[str, torch
 def gather_hf_state_dict(pipe_module: nn.Module, original_model: nn.Module, dst: int = 0) -> Optional[Dict[str, torch.Tensor]]:
     """Collective (every rank calls it): the full HF state dict on global rank ``dst``, None elsewhere.
 
-    Only data-parallel replica 0 of each stage sends its layers (the other replicas hold the same
-    values); tensors travel as pickled CPU tensors through ``torch.distributed.gather_object``.
+    Only data-parallel replica 0 of each stage sends its layers (the other replicas hold the same values), one
+    sender at a time, as pickled CPU tensors (``send_object_list``). ``dst`` keeps its own stage's tensors as they
+    are, uncopied. What ``dst`` holds beyond its states is then one other stage at a time in transit plus what it
+    has received: ``torch.distributed.gather_object`` held a clone and a pickle of its own stage, a receive buffer
+    of world × the largest stage and every stage unpickled at once (measured on GPT-2 small bf16, 2 stages: the
+    export raised rank 0's peak RSS 158 MiB above training's; memory.estimate counts the export phase).
     """
     import torch.distributed as dist
 
     module = getattr(pipe_module, "module", pipe_module)  # an engine or the PipelineModule
     grid = getattr(module, "_grid", None)
-    mine = stage_state_dict(module) if grid is None or grid.data_parallel_id == 0 else {}
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size() if rank == dst else None
-    dist.gather_object(mine, gathered, dst=dst)
+    sends = grid is None or grid.data_parallel_id == 0
+    rank, world = dist.get_rank(), dist.get_world_size()
+    senders = [None] * world
+    dist.all_gather_object(senders, sends and rank != dst)  # who has a stage to send
     if rank != dst:
+        if sends:
+            dist.send_object_list([stage_state_dict(module)], dst=dst)
         return None
-    return merge_state_dicts(gathered, original_model)
-
+    dicts = [stage_state_dict(module, copy=False) if sends else {}]
+    for src in (r for r, s in enumerate(senders) if s):
+        box: List[Any] = [None]
+        dist.recv_object_list(box, src=src)
+        dicts.append(box[0])
+    return merge_state_dicts(dicts, original_model)
