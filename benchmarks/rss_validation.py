@@ -121,6 +121,13 @@ def random_points(n: int, seed: int, data_dir: Path) -> List[List[str]]:
     return out
 
 
+def rank_figures(e: Dict, rank: int):
+    """(point, bound) the gate gave this rank: global rank 0 writes the export, the others peak in training."""
+    if rank != 0 and e.get("other_ranks_peak_bytes"):
+        return e["other_ranks_peak_bytes"], e.get("other_ranks_bound_bytes")
+    return e["per_rank_peak_bytes"], e.get("per_rank_bound_bytes")
+
+
 class Refused(RuntimeError):
     """zerorun refused the config before launch (exit 2): the gate said it does not fit here."""
 
@@ -151,9 +158,10 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
     for r in summary["peak_memory"]:
         stage = r.get("pipeline_stage")
         e = est["pipeline_stages"][stage] if stage is not None and "pipeline_stages" in est else est
+        point, bound = rank_figures(e, r["rank"])
         rows.append({"config": " ".join(overrides), "rank": r["rank"], "stage": stage,
-                     "estimate": e["per_rank_peak_bytes"], "mmap_mib": mode,
-                     "bound": e.get("per_rank_bound_bytes"),
+                     "estimate": point, "mmap_mib": mode, "bound": bound,
+                     "tokens_per_s": summary.get("tokens_per_s"),
                      "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
                      "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
                      "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
@@ -186,8 +194,8 @@ def rescore(rows: List[Dict]) -> List[Dict]:
         est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()
-        out.append(dict(r, estimate=e["per_rank_peak_bytes"], phase=e["peak_phase"],
-                        bound=e.get("per_rank_bound_bytes")))
+        point, bound = rank_figures(e, r["rank"])
+        out.append(dict(r, estimate=point, phase=e["peak_phase"], bound=bound))
     return out
 
 

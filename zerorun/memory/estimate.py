@@ -70,6 +70,10 @@ class Estimate:
     bound_bytes: int = 0
     """At most this per rank: the point plus each term's uncertainty (bound.py); the gate decides on it."""
     bound_widths: Dict[str, int] = field(default_factory=dict)
+    others_peak_bytes: int = 0
+    """The ranks that do not write the export (all but global rank 0): their peak leaves out the export phase.
+    0: the same as ``per_rank_peak_bytes`` (no export phase, or it is not the peak)."""
+    others_bound_bytes: int = 0
 
     def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
         """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
@@ -86,6 +90,8 @@ class Estimate:
             "per_rank_bound_bytes": self.bound_bytes,
             "per_rank_bound_gib": round(self.bound_bytes / GIB, 3),
             "bound_widths": dict(self.bound_widths),
+            **({"other_ranks_peak_bytes": self.others_peak_bytes, "other_ranks_bound_bytes": self.others_bound_bytes}
+               if self.others_peak_bytes else {}),
             "device_capacity_bytes": self.device_capacity_bytes,
             "fits": self.fits,
             "fits_device": self.fits_device,
@@ -148,6 +154,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         est, host_bytes_per_node=int(host_node), fits_host=fits_host, fits_device=fits_device,
         fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
         stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, per_rank_bound_bytes=e.bound_bytes,
+                     **({"other_ranks_peak_bytes": e.others_peak_bytes, "other_ranks_bound_bytes": e.others_bound_bytes}
+                        if e.others_peak_bytes else {}),
                      peak_phase=e.peak_phase,
                      model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
                      phases={k: dict(v) for k, v in e.phases.items()})
@@ -164,8 +172,10 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     phases = step_phases(cfg, plan, bd, act, states, bwd)
     gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter)
     if gathered:  # after training: the states (as the step left them), the model gathered for the export
-        phases["export"] = phase([*states.device.items(), *bwd.resident, ("pipeline buffers", act.pipe_buffers),
-                                  ("model gathered for export", gathered)])
+        # ZeRO-3's parameters are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance):
+        # GPT-2 small fp32 + CPU offload, rank 0 rose 253 MiB above its training peak while exporting.
+        phases["export"] = phase([*states.device.items(), *bwd.buffers, *bwd.resident,
+                                  ("pipeline buffers", act.pipe_buffers), ("model gathered for export", gathered)])
     host_steady = phase(states.host)
     if plan.world.accelerator == "cpu":
         # The device is host RAM: offloaded state shares it, and the fp32 build is an init phase.
@@ -174,7 +184,12 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
         # build_model() makes fp32 weights; DeepSpeed casts them in place, one tensor at a time.
         phases["init"] = phase([("fp32 model as built", built_params * 4), ("buffers", bd.buffer_bytes)])
         phases.move_to_end("init", last=False)
-    return against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
+    est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
+    if est.peak_phase == "export":  # only global rank 0 exports: the other ranks peak in training
+        rest = against_capacity(cfg, plan, hw, cal, bd, act, states,
+                                OrderedDict((k, v) for k, v in phases.items() if k != "export"), [], built_params)
+        est = dataclasses.replace(est, others_peak_bytes=rest.per_rank_peak_bytes, others_bound_bytes=rest.bound_bytes)
+    return est
 
 
 def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations, states: ModelStates,

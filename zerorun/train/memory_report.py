@@ -56,6 +56,8 @@ def compare_with_estimate(estimate: Dict[str, Any], memory: List[Dict[str, Any]]
         if "pipeline_stage" in row and estimate.get("pipeline_stages"):
             est = estimate["pipeline_stages"][row["pipeline_stage"]]
         estimated, bound = est.get("per_rank_peak_bytes"), est.get("per_rank_bound_bytes")
+        if row["rank"] != 0 and est.get("other_ranks_peak_bytes"):  # only rank 0 writes the export
+            estimated, bound = est["other_ranks_peak_bytes"], est.get("other_ranks_bound_bytes", bound)
         if "device_bytes" in row:
             measured, what = row["device_bytes"]["device_peak"], "device peak (allocator reserved + outside it)"
         else:
