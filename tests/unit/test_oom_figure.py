@@ -158,3 +158,24 @@ def test_auto_mmap_threshold_is_the_validated_setting_and_fast_ones_are_explicit
                                       mmap_threshold=mmap_threshold_bytes(0)))
     assert env["MALLOC_MMAP_MAX_"] == "0" and int(env["MALLOC_TRIM_THRESHOLD_"]) >= 1 << 40
     assert "MALLOC_MMAP_THRESHOLD_" not in env
+
+
+def test_the_export_is_a_phase_of_rank_0_and_the_other_ranks_keep_their_training_figure():
+    """Only global rank 0 writes the export. ZeRO-3 clones the whole model there next to the re-gathered
+    parameters (GPT-2 small fp32 + CPU offload: rank 0 rose 253 MiB above its training peak while exporting); a
+    pipeline's rank 0 receives the other stages. The other ranks are held to their training peak."""
+    base = ("+model=gpt2", "zero=stage3", "offload=cpu", "trainer.activation_checkpointing=true", "data.seq_len=80",
+            "trainer.micro_batch_size=5", "optimizer=sgd", "launcher.mmap_threshold_mib=1")
+    e = est(composed(*base))
+    assert e.peak_phase == "export" and e.phases["export"]["model gathered for export"] == e.params * 4
+    assert 0 < e.others_peak_bytes < e.per_rank_peak_bytes and e.others_bound_bytes < e.bound_bytes
+    assert "export" not in est(composed(*base, "trainer.export=false")).phases
+    assert "export" not in est(composed("+model=gpt2", "zero=stage2", "launcher.mmap_threshold_mib=1")).phases
+    rows = compare_with_estimate(e.to_json(), [{"rank": 0, "peak_rss_bytes": 2 * GIB},
+                                               {"rank": 1, "peak_rss_bytes": 2 * GIB}])
+    assert rows[0]["estimated_bytes"] == e.per_rank_peak_bytes and rows[1]["estimated_bytes"] == e.others_peak_bytes
+    pipe = est(composed("+model=gpt2", "precision=bf16", "parallel=pipeline", "parallel.micro_batches=4",
+                        "data.seq_len=80", "trainer.micro_batch_size=3", "launcher.mmap_threshold_mib=1"))
+    first, last = pipe.stages[0]["phases"], pipe.stages[1]["phases"]
+    assert "export" in first and "export" not in last  # stage 0 holds global rank 0
+    assert first["export"]["model gathered for export"] >= (pipe.params - pipe.stages[0]["params"]) * 2
