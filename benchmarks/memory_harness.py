@@ -42,6 +42,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from zerorun import memory as M
 from zerorun.config import Dtype, Family, ModelConfig, OffloadDevice, ParallelMode, RunConfig, World, default_task, \
     Layout, layouts, make_plan
+from zerorun.config.rules import DECODERS
 from zerorun.hardware import GIB, Hardware
 from zerorun.telemetry import live_bytes, model_state_bytes
 
@@ -177,7 +178,7 @@ def batch(m: ModelConfig, micro: int, seq: int, device: str = "cpu"):
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, min(m.vocab_size, 4000), (micro, seq), generator=g)
-    labels = ids if Family(m.family) == Family.gpt2 else torch.zeros(micro, dtype=torch.long)
+    labels = ids if Family(m.family) in DECODERS else torch.zeros(micro, dtype=torch.long)
     return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
@@ -205,7 +206,9 @@ def saved_activations(model, inputs):
 
 
 def last_block(model):
-    return model.transformer.h[-1] if hasattr(model, "transformer") else model.base_model.encoder.layer[-1]
+    if hasattr(model, "transformer"):
+        return model.transformer.h[-1]
+    return model.model.layers[-1] if hasattr(model, "model") else model.base_model.encoder.layer[-1]
 
 
 def forward_live(model, inputs) -> int:
@@ -432,8 +435,8 @@ def estimate_activation_row(r: Dict[str, Any], m: ModelConfig) -> Dict[str, Any]
     est = M.estimate(cfg, make_plan(cfg, CPU1), CPU_HW)
     fb = [ph for name, ph in est.phases.items() if name in ("loss", "backward", "embedding grad")]
     states = ("parameters", "buffers", "fp32 master copies", "optimizer states")
-    gpt2 = Family(m.family) == Family.gpt2
-    return {"activations": act.saved, "logits": 4 * micro * seq * m.vocab_size if gpt2 else 0,
+    lm = Family(m.family) in DECODERS
+    return {"activations": act.saved, "logits": 4 * micro * seq * m.vocab_size if lm else 0,
             "fwd_bwd": max(sum(v for k, v in ph.items() if k not in states) for ph in fb),
             "layer": sum(v for k, v in est.phases["backward"].items() if k not in states)}
 

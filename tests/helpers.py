@@ -14,7 +14,7 @@ from zerorun.hardware import GIB, Hardware
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 BIN = Path(sys.executable).parent
-MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if p.stem != "hf")  # hf: a template read from config.json
 
 CPU2 = World(nproc_per_node=2, nnodes=1, accelerator="cpu", fp16_ok=False)
 GPU8 = World(nproc_per_node=8, nnodes=1, accelerator="cuda")

@@ -97,7 +97,9 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
 
 
 def baseline_key(cfg: RunConfig, hw: Hardware) -> str:
-    return f"{BASELINE}|{hw.device_name or hw.accelerator}|{cfg.model.family.value}"
+    from .models import model_code
+
+    return f"{BASELINE}|{hw.device_name or hw.accelerator}|{model_code(cfg.model)}"
 
 
 def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
@@ -105,6 +107,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     (python -m zerorun.train.baseline, ~6 s) and store it beside the corrections. A failed measurement is
     reported and the prior stays: it must never stop a launch."""
     from . import launcher
+    from .models import model_code
 
     path = cache_file(cfg)
     key, env = baseline_key(cfg, hw), environment()
@@ -114,7 +117,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     t0 = time.perf_counter()
     proc = None
     try:
-        proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", cfg.model.family.value],
+        proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", model_code(cfg.model)],
                               env={**os.environ, **launcher.rank_env("cpu", 1)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=600, start_new_session=True)
         measured = int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
@@ -126,7 +129,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     records = load(path)
     records[key] = {"baseline_bytes": measured, "environment": env, "boot": boot_id(), "device": hw.device_name,
-                    "model": cfg.model.family.value, "measure": "VmHWM of a rank at ready",
+                    "model": model_code(cfg.model), "measure": "VmHWM of a rank at ready",
                     "seconds": round(time.perf_counter() - t0, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_atomic(path, json.dumps(records, indent=2) + "\n")
     log(f"process baseline: {measured / 2**20:.0f} MiB per CPU rank (prior "

@@ -25,6 +25,13 @@ def resolve_pkg_path(spec: str) -> str:
 
 def hf_config(m: ModelConfig, num_labels: int = 2):
     """The transformers config for the architecture the model file describes."""
+    if m.family == Family.llama:
+        from transformers import AutoConfig
+
+        from .arch import decoder_of
+
+        return AutoConfig.for_model(m.model_type, **decoder_of(m).hf_config_kwargs(), num_labels=num_labels,
+                                    attention_dropout=m.dropout)
     if m.family == Family.gpt2:
         from transformers import GPT2Config
 
@@ -40,12 +47,18 @@ def hf_config(m: ModelConfig, num_labels: int = 2):
                hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout, num_labels=num_labels)
 
 
-def import_model_code(family: Family) -> None:
-    """Import the family's transformers modeling code now: it is most of a rank's non-tensor memory
-    (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
+def model_code(m: ModelConfig) -> str:
+    """The transformers module directory that builds ``m``: the family's, or the decoder's model_type."""
+    return m.model_type if m.family == Family.llama else Family(m.family).value
+
+
+def import_model_code(name: str) -> None:
+    """Import a model's transformers modeling code now (``name``: model_code): it is most of a rank's non-tensor
+    memory (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
     import importlib
 
-    importlib.import_module(f"transformers.models.{Family(family).value}.modeling_{Family(family).value}")
+    name = getattr(name, "value", name)
+    importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
 def model_class(task: TaskName):

@@ -50,6 +50,7 @@ REGIONS = {
     Family.gpt2: (("transformer.wte.", "transformer.wpe."), "transformer.h.0.", ("transformer.ln_f.",)),
     Family.bert: ("bert.embeddings.", "bert.encoder.layer.0.", ("bert.pooler.", "classifier.")),
     Family.roberta: ("roberta.embeddings.", "roberta.encoder.layer.0.", ("classifier.",)),
+    Family.llama: ("model.embed_tokens.", "model.layers.0.", ("model.norm.", "lm_head.")),
 }
 
 
@@ -63,6 +64,9 @@ def test_param_count_matches_transformers(m):
     if m.family == Family.gpt2:
         assert model.lm_head.weight is model.transformer.wte.weight
         assert bd.tied_embedding == model.lm_head.weight.numel()
+    elif m.family == Family.llama:  # tied or not as the config says (Llama-3.2-1B and small Qwen2.5 are)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == m.tie_word_embeddings and bd.tied_embedding == (model.lm_head.weight.numel() if tied else 0)
     else:
         assert bd.tied_embedding == 0
     assert bd.embeddings == region_numel(model, emb)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 from typing import Any, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import ConfigError, UserError
-from .schema import RunConfig, register_schemas
+from .schema import Family, RunConfig, register_schemas
 
 
 def _field_type(f: dataclasses.Field) -> Any:
@@ -118,9 +119,54 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     try:
         merged = OmegaConf.merge(_schema(), cfg)
         OmegaConf.resolve(merged)
-        return OmegaConf.to_object(merged)
+        out = OmegaConf.to_object(merged)
     except Exception as e:  # a wrong type or an invalid enum value
         raise typing_error(e) from None
+    return with_architecture_of_checkpoint(out)
+
+
+def with_architecture_of_checkpoint(cfg: RunConfig) -> RunConfig:
+    """``model.from_config_json=true`` (the ``hf`` model file): the architecture fields read from the checkpoint's
+    config.json (a local directory or file; on the hub, when it can be reached), then the flag cleared, so the run
+    dir's config.yaml holds the numbers and the ranks never read it again."""
+    m = cfg.model
+    if not m.from_config_json:
+        return cfg
+    from ..arch import ArchitectureError, model_fields_from_config_json
+
+    source = m.name_or_path
+    if source.startswith("pkg://"):
+        from ..models import resolve_pkg_path
+
+        source = resolve_pkg_path(source)
+    if not os.path.exists(source):
+        source = _hub_config_json(source)
+    try:
+        fields = model_fields_from_config_json(source)
+    except ArchitectureError as e:
+        raise UserError(str(e), key="model.name_or_path", value=m.name_or_path) from None
+    fields["family"] = Family(fields["family"])
+    model = dataclasses.replace(m, **fields, from_config_json=False)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _hub_config_json(name: str) -> str:
+    """A hub repository's config.json, downloaded (or read from the local hub cache) when the hub can be reached."""
+    from ..models import hub_reachable
+
+    fix = ("a local checkpoint directory (model.name_or_path=/path/to/it, with its config.json), or a shipped model "
+           "file (+model=llama-3.2-1b, qwen2.5-0.5b, mistral-7b, ...)")
+    if not hub_reachable():
+        raise UserError(f"model.name_or_path={name}: no such local path, and the hub cannot be reached to read its "
+                        "config.json.", fix, key="model.name_or_path", value=name)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(name, "config.json")
+    except Exception as e:  # not found, gated, no network after all
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.name_or_path={name}: could not read its config.json from the hub ({first}).", fix,
+                        key="model.name_or_path", value=name) from None
 
 
 @functools.lru_cache(maxsize=1)

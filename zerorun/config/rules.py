@@ -92,9 +92,12 @@ def layouts(mode: ParallelMode = ParallelMode.dp) -> List[Layout]:
 # Model family → task → built-in data set
 
 
+DECODERS = (Family.gpt2, Family.llama)
+
+
 def default_task(family: Family) -> TaskName:
-    """task=auto: causal LM for the GPT-2 family, sequence classification for BERT/RoBERTa."""
-    return TaskName.causal_lm if Family(family) == Family.gpt2 else TaskName.sequence_classification
+    """task=auto: causal LM for the decoders (GPT-2, Llama-class), sequence classification for BERT/RoBERTa."""
+    return TaskName.causal_lm if Family(family) in DECODERS else TaskName.sequence_classification
 
 
 def resolve_task(task: TaskName, family: Family) -> TaskName:
@@ -104,16 +107,42 @@ def resolve_task(task: TaskName, family: Family) -> TaskName:
 def task_problems(task: TaskName, family: Family, model_name: str, num_labels: int) -> List[UserError]:
     family = Family(family)
     out = []
-    if task == TaskName.causal_lm and family != Family.gpt2:
+    if task == TaskName.causal_lm and family not in DECODERS:
         out.append(UserError(f"task=causal_lm with model {model_name} (family {family.value}): encoders are not "
                              "causal LMs here.", "task=sequence_classification, or a GPT-2 model.", key="task"))
-    if task == TaskName.sequence_classification and family == Family.gpt2:
+    if task == TaskName.sequence_classification and family in DECODERS:
         out.append(UserError(f"task=sequence_classification with model {model_name}: zerorun classifies with the "
                              "BERT family.", "+model=tiny-bert|bert-base-uncased|minilm|roberta-base, or "
                              "task=causal_lm.", key="task"))
     if task == TaskName.sequence_classification and num_labels < 2:
         out.append(UserError(f"task.num_labels={num_labels}: classification needs at least 2 labels.",
                              key="task.num_labels", value=num_labels))
+    return out
+
+
+def decoder_problems(m, pipeline: bool) -> List[UserError]:
+    """A Llama-class decoder (family=llama): heads that group, a head width, a known model_type; no pipeline yet."""
+    from ..arch import DECODER_TYPES
+
+    out = []
+    if m.model_type not in DECODER_TYPES:
+        out.append(UserError(f"model.model_type={m.model_type!r} with family llama: one of {', '.join(DECODER_TYPES)} "
+                             "(the transformers class that builds it).", "model.model_type=llama, or +model=hf "
+                             "model.name_or_path=DIR to read it from a config.json.", key="model.model_type",
+                             value=m.model_type))
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_heads % kv:
+        out.append(UserError(f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}: grouped-query "
+                             "attention shares each key/value head among a whole number of query heads.",
+                             "a num_kv_heads that divides num_heads.", key="model.num_kv_heads", value=kv))
+    if not m.head_dim and m.hidden_size % m.num_heads:
+        out.append(UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
+                             "and model.head_dim is not set.", "set model.head_dim, or heads that divide the hidden "
+                             "size.", key="model.head_dim"))
+    if pipeline:
+        out.append(UserError("parallel=pipeline with a Llama-class decoder: zerorun's pipeline stages wrap GPT-2 and "
+                             "BERT modules only so far.", "parallel=dp with zero=stage3 (and offload) to spread the "
+                             "model instead.", key="parallel.mode", value="pipeline"))
     return out
 
 

@@ -86,6 +86,8 @@ class Family(str, enum.Enum):
     gpt2 = "gpt2"
     bert = "bert"
     roberta = "roberta"
+    llama = "llama"
+    """Llama-class decoders (model_type llama, qwen2, mistral): RMSNorm, gated MLP, grouped-query attention."""
 
 
 class TaskName(str, enum.Enum):
@@ -164,7 +166,11 @@ class ModelConfig:
     name: str = text(MISSING, nonempty=True)
     """Short name of this model file (tiny-gpt2, gpt2, ...)."""
     family: Family = Family.gpt2
-    """Architecture family: gpt2 (decoder) or bert / roberta (encoder)."""
+    """Architecture family: gpt2 or llama (decoders), bert / roberta (encoders)."""
+    model_type: str = text("")
+    """config.json's model_type: llama, qwen2 or mistral for family=llama (which transformers class builds it)."""
+    from_config_json: bool = False
+    """true (the ``hf`` model file): read the architecture from name_or_path's config.json when composing."""
     name_or_path: str = path_field(PathKind.source)
     """Hub name, local directory of a Hugging Face checkpoint, or pkg://<package>/<dir> for one a
     Python package ships; weights are read from it when pretrained=true."""
@@ -178,6 +184,16 @@ class ModelConfig:
     max_positions: int = num(MISSING, ge=1)
     type_vocab_size: int = num(2, ge=1)
     """BERT only: token-type embeddings."""
+    num_kv_heads: Optional[int] = num(None, ge=1)
+    """family=llama: key/value heads (grouped-query attention); None: as many as num_heads."""
+    head_dim: Optional[int] = num(None, ge=1)
+    """family=llama: per-head width; None: hidden_size / num_heads."""
+    tie_word_embeddings: bool = False
+    """family=llama: the LM head reuses the input embedding (GPT-2 always does)."""
+    attention_bias: bool = False
+    """family=llama, model_type llama: biases on the attention projections (qwen2 always has q/k/v biases)."""
+    mlp_bias: bool = False
+    """family=llama, model_type llama: biases on the MLP projections."""
     dropout: float = num(0.1, ge=0, lt=1)
     """Dropout on embeddings, attention and residuals (HF's default)."""
 

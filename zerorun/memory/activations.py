@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..arch import Decoder, decoder_of
 from ..config import Dtype, Family, ModelConfig, TaskName, default_task
 from ..config.rules import CPU_MMAP_THRESHOLD
 
@@ -117,6 +118,9 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§3.7); none when dropout = 0.
     - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
     """
+    if Family(m.family) == Family.llama:
+        return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
+                                   checkpointing, num_labels, mmap_threshold)
     b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers
     inner = m.intermediate_size or 4 * h
     e = DTYPE_BYTES[Dtype(dtype)]
@@ -195,3 +199,24 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
                        checkpointing, outside_first=int(first), small_per_layer=small(layer_sizes),
                        small_checkpoint=small([(1, hwide)]), small_outside=small(outside_sizes))
 
+
+
+def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, checkpointing: bool, num_labels: int,
+                        mmap_threshold: int) -> Activations:
+    """A Llama-class decoder's activations with SDPA (transformers' default on every device; no dropout): the
+    tensors zerorun/arch.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
+    skipped and K/V stay at their own heads; checkpointing turns the cache off, and recomputation takes the
+    masked path (K/V repeated to every query head, the mask per layer), with one (b, 1, s, s) bool mask kept for
+    all checkpoints (docs/research/hf-decoders-and-lora.md §2)."""
+    total = lambda sizes: sum(n * size for n, size in sizes)  # noqa: E731
+    small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < mmap_threshold)) \
+        if accelerator == "cpu" else (lambda sizes: 0)
+    t = b * s
+    plain, masked, outside = d.saved_per_layer(b, s, e, False), d.saved_per_layer(b, s, e, True), d.saved_outside(b, s, e)
+    kept = e * d.hidden * t
+    mask = b * s * s if checkpointing else 0
+    return Activations("sdpa-fused", total(plain), total(masked), kept, total(outside) + mask,
+                       working_set=e * d.hidden * t + 2 * e * d.intermediate * t,
+                       logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab, num_layers=d.layers, checkpointing=checkpointing,
+                       small_per_layer=small(plain), small_checkpoint=small([(1, kept)]),
+                       small_outside=small([*outside, (1, mask)]))

@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from ..arch import decoder_of
 from ..config import Family, ModelConfig, TaskName, default_task
 
 
@@ -74,13 +75,18 @@ class ParamBreakdown:
 def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> Tuple:
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
+    decoder = decoder_of(m) if Family(m.family) == Family.llama else None
     return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
-            m.max_positions, m.type_vocab_size, num_labels)
+            m.max_positions, m.type_vocab_size, num_labels, decoder)
 
 
 @functools.lru_cache(maxsize=256)
 def breakdown(key: Tuple) -> ParamBreakdown:
-    family, task, L, h, _a, inner, V, P, T, labels = key
+    family, task, L, h, _a, inner, V, P, T, labels, decoder = key
+    if decoder is not None:  # a Llama-class decoder: its own arithmetic (zerorun/arch.py)
+        return ParamBreakdown(family, decoder.embedding_tensors(), decoder.layer_tensors(), L, decoder.head_tensors(),
+                              tied_embedding=V * h if decoder.tied else 0,
+                              buffer_bytes=decoder.head_dim // 2 * 4)  # RoPE's inv_freq, fp32
     inner = inner or 4 * h  # GPT2Config n_inner=None means 4h
     if family == Family.gpt2:
         # GPT2Model: wte, wpe; per block ln_1, c_attn (h×3h), c_proj, ln_2, c_fc (h×I), c_proj (I×h); ln_f.

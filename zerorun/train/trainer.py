@@ -54,9 +54,9 @@ class Trainer:
         if self.accel.device_name() == "cuda":
             self.accel.set_device(self.local_rank)  # before the first collective: NCCL uses the current device
         _agree_or_leave(run_dir, dist, self.rank)
-        from ..models import import_model_code
+        from ..models import import_model_code, model_code
 
-        import_model_code(self.cfg.model.family)
+        import_model_code(model_code(self.cfg.model))
         self.stop = interrupts.StopFlag(run_dir.path, dist)  # a signal from here on stops at a step boundary
         self.rss = RssMilestones()
         self.rss.mark("ready")  # every import and the process group, no tensor yet: the process baseline
