@@ -101,7 +101,9 @@ def decoder_of(m) -> Decoder:
     return Decoder(model_type=m.model_type or "llama", hidden=m.hidden_size, layers=m.num_layers,
                    heads=m.num_heads, kv_heads=kv, head_dim=m.head_dim or m.hidden_size // m.num_heads,
                    intermediate=m.intermediate_size, vocab=m.vocab_size, max_positions=m.max_positions,
-                   tied=m.tie_word_embeddings, qkv_bias=m.model_type == "qwen2" or m.attention_bias,
+                   tied=m.tie_word_embeddings,
+                   # Qwen2's q/k/v biases are hard-coded; Mistral has none whatever attention_bias says
+                   qkv_bias=m.model_type == "qwen2" or (m.model_type == "llama" and m.attention_bias),
                    o_bias=m.model_type == "llama" and m.attention_bias,
                    mlp_bias=m.model_type == "llama" and m.mlp_bias)
 
