@@ -237,7 +237,8 @@ def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
 
 
 def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_params: int, exporter: bool) -> int:
-    """What the rank that writes the export (global rank 0) holds beyond its states while it does (train/export.py).
+    """What the rank that writes the export (global rank 0) holds beyond its states while it does (train/export.py),
+    on a CPU rank, where that is the same host memory.
 
     - ZeRO-0/1/2: the module's own tensors; safetensors writes them from their memory (no copy on the host).
     - ZeRO-3: ``_zero3_consolidated_16bit_state_dict`` clones every gathered parameter on rank 0: the whole model
@@ -245,8 +246,8 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
     - A pipeline (pipeline/export.py ``gather_hf_state_dict``): rank 0 keeps its own stage uncopied and receives
       the others one at a time, pickled: every other stage unpickled, plus the pickle of the last one in transit.
     """
-    if not (cfg.trainer.export and exporter):
-        return 0
+    if not (cfg.trainer.export and exporter) or plan.world.accelerator != "cpu":
+        return 0  # on a GPU rank both land in host memory (``param.detach().cpu()``), not on the device
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     if plan.pipeline:
         others = max(0, built_params - stage_params)
