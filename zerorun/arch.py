@@ -157,3 +157,37 @@ def model_fields_from_config_json(path: str) -> Dict[str, Any]:
                     dropout=float(d.get("attention_dropout", 0.0)))
     raise ArchitectureError(f"{f}: model_type {kind!r} is not one zerorun plans yet (gpt2, bert, roberta, "
                             f"{', '.join(DECODER_TYPES)}); pick a model file (+model=NAME) of a planned family")
+
+
+# ---------------------------------------------------------------- LoRA (peft)
+LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
+                        "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value")}
+"""peft's own defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for ``adapter.target_modules: []``."""
+
+
+def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
+    """Each transformer layer's projections by the module name peft matches: name → [(in, out), ...] (GPT-2's
+    ``c_proj`` and BERT's ``dense`` name several modules of a layer; peft adapts all of them)."""
+    h, i = m.hidden_size, m.intermediate_size or 4 * m.hidden_size
+    fam = getattr(m.family, "value", m.family)
+    if fam == "llama":
+        d = decoder_of(m)
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        return {"q_proj": [(h, q)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(q, h)],
+                "gate_proj": [(h, i)], "up_proj": [(h, i)], "down_proj": [(i, h)]}
+    if fam == "gpt2":
+        return {"c_attn": [(h, 3 * h)], "c_proj": [(h, h), (i, h)], "c_fc": [(h, i)]}
+    return {"query": [(h, h)], "key": [(h, h)], "value": [(h, h)], "dense": [(h, h), (h, i), (i, h)]}
+
+
+def lora_targets(m, adapter) -> Tuple[str, ...]:
+    code = m.model_type if getattr(m.family, "value", m.family) == "llama" else getattr(m.family, "value", m.family)
+    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[code]
+
+
+def lora_layer_tensors(m, adapter) -> Tuple[Tuple[int, ...], Tuple[Tuple[int, int], ...]]:
+    """(the adapter tensors one layer gains: lora_A r×in and lora_B out×r per adapted module, numel;
+    the (in, out) of each adapted module)."""
+    linears = layer_linears(m)
+    adapted = tuple(shape for name in lora_targets(m, adapter) for shape in linears.get(name, []))
+    return tuple(n for fan_in, fan_out in adapted for n in (adapter.r * fan_in, fan_out * adapter.r)), adapted

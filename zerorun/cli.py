@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, faults, launcher, netcheck, platforms, speed, supervise
-from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
+from .config import (AdapterName, ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
 from .config.load import hydra_words_problem
@@ -81,6 +81,10 @@ def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
     from .models import pretrained_problems
 
     problems = check(cfg, world) + (pretrained_problems(cfg.model) if weights else [])
+    if cfg.adapter.name == AdapterName.lora:  # planned (zerorun-estimate, the gate), not yet trained
+        problems.append(UserError("adapter=lora: zerorun plans LoRA fine-tunes (zerorun-estimate, the memory gate) but "
+                                  "does not train them yet.", "zerorun-estimate <the same overrides> for the plan; "
+                                  "adapter=none to train every parameter.", key="adapter.name", value="lora"))
     if problems:
         raise ConfigError(problems)
     return cfg

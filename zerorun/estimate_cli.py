@@ -99,6 +99,19 @@ def _eight_bit(M, cfg, world, hw):
     return M.estimate(c8, make_plan(c8, world), hw)
 
 
+def state_line(cfg, est) -> str:
+    """The composed config's model states per rank: what a full fine-tune and an adapter differ in."""
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    names = ("parameters", "gradients", "fp32 master copies", "optimizer states")
+    where = {k: sum(v for c, v in {**est.components, **est.host_components}.items() if c.startswith(k))
+             for k in names}
+    trainable = est.summary.get("trainable_params", est.params)
+    what = (f"adapter=lora (r={cfg.adapter.r}): {trainable:,} of {est.params:,} parameters train "
+            f"({100 * trainable / max(1, est.params):.2f}%)" if cfg.adapter.name.value == "lora"
+            else f"full fine-tune: all {est.params:,} parameters train")
+    return f"model states per rank, composed config ({what}): " + ", ".join(f"{k} {gib(v)}" for k, v in where.items())
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plot = next((a.split("=", 1)[1] for a in argv if a.startswith("--plot=")), None)
@@ -142,6 +155,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t3 = time.perf_counter()
     for line in render_table(cfg, plan, hw, rows, chosen):
         print(line)
+    print(state_line(cfg, M.estimate(cfg, plan, hw)))
     if plot:
         from .report import draw_estimate_table
 

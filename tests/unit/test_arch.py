@@ -81,3 +81,26 @@ def test_decoder_rules_refuse_what_cannot_run():
     assert "parallel.mode" in problems("parallel=pipeline", "parallel.stages=2", "parallel.micro_batches=4")
     assert "task" in problems("task=sequence_classification")
     assert "model.model_type" in problems("model.model_type=gemma")
+
+
+def test_lora_trains_only_the_adapters_and_the_estimate_says_so():
+    """Frozen base weights get no gradients, fp32 master copies or optimizer states; the adapters do."""
+    from zerorun.config import make_plan
+    from zerorun.hardware import GIB
+
+    from helpers import A100_8, GPU8
+
+    full = composed("+model=llama-3.2-1b", "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=80")
+    lora = composed("+model=llama-3.2-1b", "adapter=lora", "adapter.r=16", "hardware.gpus_per_node=8",
+                    "hardware.gpu_mem_gib=80")
+    bd = M.param_breakdown(lora.model, None, 2, lora.adapter)
+    # q_proj 2048→2048 and v_proj 2048→512 in each of 16 layers: r·(in + out) each
+    assert bd.trainable == 16 * 16 * ((2048 + 2048) + (2048 + 512))
+    assert bd.total == M.count_params(full.model) + bd.trainable
+    e_full, e_lora = (M.estimate(c, make_plan(c, GPU8), A100_8) for c in (full, lora))
+    assert e_lora.phases["optimizer step"]["optimizer states"] * 500 < e_full.phases["optimizer step"]["optimizer states"]
+    assert e_lora.per_rank_peak_bytes < e_full.per_rank_peak_bytes - 2 * GIB
+    assert e_lora.summary["trainable_params"] == bd.trainable and e_lora.summary["adapter"] == "lora"
+    all_linear = composed("+model=tiny-llama", "adapter=lora",
+                          "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
+    assert M.param_breakdown(all_linear.model, None, 2, all_linear.adapter).trainable > bd.trainable / 100

@@ -90,6 +90,11 @@ class Family(str, enum.Enum):
     """Llama-class decoders (model_type llama, qwen2, mistral): RMSNorm, gated MLP, grouped-query attention."""
 
 
+class AdapterName(str, enum.Enum):
+    none = "none"
+    lora = "lora"
+
+
 class TaskName(str, enum.Enum):
     auto = "auto"
     causal_lm = "causal_lm"
@@ -279,6 +284,24 @@ class OptimizerConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """Parameter-efficient fine-tuning (the peft library): the base model frozen, small adapters trained."""
+
+    name: AdapterName = AdapterName.none
+    """none: every parameter trains; lora: low-rank adapters on target_modules, the rest frozen."""
+    r: int = num(8, ge=1, le=4096)
+    """LoRA rank: each adapted in × out projection gains r·(in + out) trainable parameters."""
+    alpha: float = num(16.0, gt=0)
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = num(0.05, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    target_modules: List[str] = field(default_factory=list)
+    """Module names to adapt (peft's suffix match); empty: the family's default (peft's own: q/v projections)."""
+    merge: bool = False
+    """Export the merged model as a plain Hugging Face checkpoint as well as the adapter."""
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = num(100, ge=1)
     """Optimizer steps to run."""
@@ -401,6 +424,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     name: str = text("${model.name}", nonempty=True)

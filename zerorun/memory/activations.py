@@ -5,6 +5,7 @@ and BERT with the default SDPA attention really save, measured on CPU by benchma
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -220,3 +221,13 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
                        logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab, num_layers=d.layers, checkpointing=checkpointing,
                        small_per_layer=small(plain), small_checkpoint=small([(1, kept)]),
                        small_outside=small([*outside, (1, mask)]))
+
+
+def with_lora(act: Activations, adapted, r: int, dropout: float, e: int, tokens: int, accelerator: str) -> Activations:
+    """LoRA's own saved tensors in every layer: per adapted (in, out) projection, the dropout's output and mask
+    (in wide; none without dropout) and lora_A's output (r wide), which lora_B saves. What the frozen base no
+    longer saves (inputs of frozen projections whose output gradient is not needed) is not subtracted: an upper
+    bound until measured at tensor level."""
+    mask = (CUDA_MASK_BYTES if accelerator == "cuda" else e) if dropout > 0 else 0
+    extra = sum(((e + mask) * fan_in if dropout > 0 else 0) + e * r for fan_in, _ in adapted) * tokens
+    return dataclasses.replace(act, per_layer=act.per_layer + extra, recompute_layer=act.recompute_layer + extra)

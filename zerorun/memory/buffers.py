@@ -77,8 +77,9 @@ def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple)
                          "trades this memory for more all-gathers.")
     # ZeRO-2/3: a layer parameter's grad exists until its hook copies it into the bucket. (The tied
     # embedding's grad is the separate "tied-embedding grad": autograd holds it until both uses are summed.)
-    in_flight = [("gradient in flight", max(bd.layer_tensors + bd.head_tensors) * g)] if stage >= 2 else []
-    tied = [("tied-embedding grad (pending)", bd.tied_embedding * g)] if bd.tied_embedding else []
+    largest = bd.largest_trainable if bd.lora else max(bd.layer_tensors + bd.head_tensors)
+    in_flight = [("gradient in flight", largest * g)] if stage >= 2 else []
+    tied = [("tied-embedding grad (pending)", bd.tied_embedding * g)] if bd.tied_embedding and not bd.lora else []
     return BackwardBuffers(buffers, ipg, resident, in_flight, tied, notes)
 
 
@@ -159,7 +160,7 @@ def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> 
 def zero0_flatten_bytes(cfg: RunConfig, bd: ParamBreakdown) -> int:
     """engine.allreduce_bucket flattens grads in buckets of 5e8 elements before the all-reduce, on one
     rank too (engine.py allreduce_gradients has no world-size check; measured on CPU)."""
-    return min(bd.total, ZERO0_ALLREDUCE_ELEMENTS + bd.largest_tensor) * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    return min(bd.trainable, ZERO0_ALLREDUCE_ELEMENTS + bd.largest_trainable) * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
 
 
 @functools.lru_cache(maxsize=256)

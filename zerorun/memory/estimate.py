@@ -20,7 +20,8 @@ from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfi
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
-from .activations import DTYPE_BYTES, Activations, activations
+from ..arch import lora_layer_tensors
+from .activations import DTYPE_BYTES, Activations, activations, with_lora
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
@@ -122,11 +123,15 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     layers and 1F1B depth; the result is the stage with the highest peak, and ``stages`` lists them all.
     """
     labels = cfg.task.num_labels
-    bd = param_breakdown(cfg.model, plan.task, labels)
-    key = model_key(cfg.model, plan.task, labels)
+    bd = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
+    key = model_key(cfg.model, plan.task, labels, cfg.adapter)
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
                       mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib))
+    if bd.lora:
+        act = with_lora(act, lora_layer_tensors(cfg.model, cfg.adapter)[1], cfg.adapter.r, cfg.adapter.dropout,
+                        DTYPE_BYTES[Dtype(cfg.precision.dtype)], plan.micro_batch_size * plan.seq_len,
+                        plan.world.accelerator)
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
@@ -347,6 +352,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         notes.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions}.")
     summary = {
         "model": m.name, "family": Family(m.family).value, "task": plan.task.value, "params": bd.total,
+        "trainable_params": bd.trainable, "adapter": cfg.adapter.name.value,
         "zero_stage": cfg.zero.stage, "offload": OffloadDevice(cfg.offload.device).value,
         "offload_params": plan.offload_params, "precision": Dtype(cfg.precision.dtype).value,
         "micro_batch_size": tr.micro_batch_size, "seq_len": cfg.data.seq_len, "batch_seq_len": plan.seq_len,

@@ -5,11 +5,12 @@ meta device): GPT2LMHeadModel, Bert/RobertaForSequenceClassification, GPT2ForSeq
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..arch import decoder_of
+from ..arch import decoder_of, lora_layer_tensors
 from ..config import Family, ModelConfig, TaskName, default_task
 
 
@@ -32,10 +33,29 @@ class ParamBreakdown:
     """Module buffers (GPT-2's per-layer causal mask, BERT's position/type ids)."""
     head_word: int = 0
     """Pipeline last stage: elements of its own copy of the tied LM head (tied across stages, not here)."""
+    adapter_tensors: Tuple[int, ...] = ()
+    """adapter=lora: the LoRA tensors each layer gains (also in ``layer_tensors``); only they, and a
+    classification head, train: the base model is frozen (no gradients, master copies or optimizer states)."""
+    trainable_head: Tuple[int, ...] = ()
+
+    @property
+    def lora(self) -> bool:
+        return bool(self.adapter_tensors)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters that get gradients, fp32 master copies and optimizer states."""
+        return self.num_layers * sum(self.adapter_tensors) + sum(self.trainable_head) if self.lora else self.total
+
+    @property
+    def largest_trainable(self) -> int:
+        return max(self.adapter_tensors + self.trainable_head, default=0) if self.lora else self.largest_tensor
 
     @property
     def word_embedding(self) -> int:
         """Elements of the V×h matrix on this rank whose dense gradient ends the backward pass (0: none)."""
+        if self.lora:  # frozen: no gradient
+            return 0
         return self.tied_embedding or self.head_word or (self.embedding_tensors[0] if self.embedding_tensors else 0)
 
     @property
@@ -72,16 +92,29 @@ class ParamBreakdown:
 
 
 
-def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> Tuple:
+def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2, adapter=None) -> Tuple:
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
     decoder = decoder_of(m) if Family(m.family) == Family.llama else None
+    lora = lora_layer_tensors(m, adapter)[0] if adapter is not None and adapter.name.value == "lora" else ()
     return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
-            m.max_positions, m.type_vocab_size, num_labels, decoder)
+            m.max_positions, m.type_vocab_size, num_labels, decoder, lora)
 
 
 @functools.lru_cache(maxsize=256)
 def breakdown(key: Tuple) -> ParamBreakdown:
+    """The parameter tensors for a model_key; with LoRA the adapters join each layer and only they (and a
+    classification head, which peft trains too) are trainable."""
+    full = _breakdown(key[:-1])
+    lora = key[-1]
+    if not lora:
+        return full
+    head = full.head_tensors if key[1] == TaskName.sequence_classification else ()
+    return dataclasses.replace(full, layer_tensors=full.layer_tensors + lora, adapter_tensors=lora,
+                               trainable_head=head)
+
+
+def _breakdown(key: Tuple) -> ParamBreakdown:
     family, task, L, h, _a, inner, V, P, T, labels, decoder = key
     if decoder is not None:  # a Llama-class decoder: its own arithmetic (zerorun/arch.py)
         return ParamBreakdown(family, decoder.embedding_tensors(), decoder.layer_tensors(), L, decoder.head_tensors(),
@@ -110,10 +143,11 @@ def breakdown(key: Tuple) -> ParamBreakdown:
                           buffer_bytes=2 * P * 8)  # position_ids + token_type_ids buffers, int64
 
 
-def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> ParamBreakdown:
+def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2,
+                    adapter=None) -> ParamBreakdown:
     """Parameter tensors of ``m`` for ``task`` (None: the family's own) by region, exactly as transformers
-    builds the model."""
-    return breakdown(model_key(m, task, num_labels))
+    builds the model (with ``adapter``'s LoRA tensors, as peft adds them)."""
+    return breakdown(model_key(m, task, num_labels, adapter))
 
 
 def count_params(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> int:

@@ -110,12 +110,14 @@ def host_step_bytes(plan: Plan, tensor: int) -> int:
 def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
     """Where the model states of ``bd`` live for the config's ZeRO stage, precision and offload."""
     dtype = Dtype(cfg.precision.dtype)
-    P, N, stage = bd.total, max(1, plan.data_parallel_size), cfg.zero.stage
+    # P: every parameter (the module holds them); T: the trainable ones (all, or LoRA's adapters): only those
+    # get gradients, fp32 master copies and optimizer states.
+    P, T, N, stage = bd.total, bd.trainable, max(1, plan.data_parallel_size), cfg.zero.stage
     p = g = DTYPE_BYTES[dtype]  # 16-bit or fp32 module: params and grads in that dtype
     mixed = dtype != Dtype.fp32
     off = OffloadDevice(cfg.offload.device)
     off_opt, off_param = plan.offload_optimizer, plan.offload_params
-    part = math.ceil(P / N)
+    part, tpart = math.ceil(P / N), math.ceil(T / N)
     dev: List[Tuple[str, float]] = []
     host: List[Tuple[str, float]] = []  # per rank
     nvme = 0
@@ -131,49 +133,49 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
         dev.append(("persistent parameters", persistent * p))
     dev.append(("buffers", bd.buffer_bytes))
 
-    states = [("fp32 master copies", part * MASTER_BYTES), ("optimizer states", optimizer_state_bytes(cfg, plan, part))]
+    states = [("fp32 master copies", tpart * MASTER_BYTES), ("optimizer states", optimizer_state_bytes(cfg, plan, tpart))]
     if stage == 0 and dtype == Dtype.bf16 and plan.pipeline:
         # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
         # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
         # fp32 master and Adam states are partitioned over the stage's data-parallel group (measured).
-        dev.append(("gradients", 2 * P * g))
+        dev.append(("gradients", 2 * T * g))
         dev += states
     elif stage == 0:
-        dev.append(("gradients", P * g))
+        dev.append(("gradients", T * g))
         if mixed:  # FP16_Optimizer / FP16_UnfusedOptimizer: fp32 master of every parameter
-            dev.append(("fp32 master copies", P * MASTER_BYTES))
+            dev.append(("fp32 master copies", T * MASTER_BYTES))
         # The optimizer sees each tensor: AdamW8bit keeps fp32 states for the small ones.
-        small = bd.persistent(cfg.optimizer.min_8bit_size - 1) if plan.optimizer.client else 0
-        dev.append(("optimizer states", optimizer_state_bytes(cfg, plan, P, small)))
+        small = bd.persistent(cfg.optimizer.min_8bit_size - 1) if plan.optimizer.client and not bd.lora else 0
+        dev.append(("optimizer states", optimizer_state_bytes(cfg, plan, T, small)))
     elif stage in (1, 2):
         if stage == 1:
             # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition
-            dev.append(("gradients", P * g + (0 if off_opt else part * g)))
+            dev.append(("gradients", T * g + (0 if off_opt else tpart * g)))
         elif not off_opt:
-            dev.append(("gradients", part * g))  # grads_in_partition (``copy_grads_in_partition``)
+            dev.append(("gradients", tpart * g))  # grads_in_partition (``copy_grads_in_partition``)
         if off_opt:
             # Offload: pinned fp32 master + fp32 grad partition + 16-bit staging; CPU Adam states.
             host += [(k + " (host)", v) for k, v in states]
-            host.append(("fp32 gradients (host)", part * 4))
-            host.append(("16-bit param staging (host)", part * p))
-            host.append(("grad staging buffer (host)", bd.largest_tensor * g))
+            host.append(("fp32 gradients (host)", tpart * 4))
+            host.append(("16-bit param staging (host)", tpart * p))
+            host.append(("grad staging buffer (host)", bd.largest_trainable * g))
             if plan.grad_accum_steps > 1:
-                host.append(("accumulated gradients (host)", part * g))
-            dev.append(("offload staging buffer", bd.largest_tensor * g))  # temp_grad_buffer_for_gpu_offload
+                host.append(("accumulated gradients (host)", tpart * g))
+            dev.append(("offload staging buffer", bd.largest_trainable * g))  # temp_grad_buffer_for_gpu_offload
         else:
             dev += states
     else:  # stage 3
-        grad_buf = [("gradients", part * g)]  # grad_partitions_flat_buffer (on self.device)
+        grad_buf = [("gradients", tpart * g)]  # grad_partitions_flat_buffer (on self.device)
         if off_opt:
             # With offload the fp32 grad of each sub-group is a persistent pinned buffer
             # (stage3.py initialize_optimizer_states: subgroup_gradient_buffer); without, a step transient.
-            host += [(k + " (host)", v) for k, v in grad_buf + [("fp32 gradient buffer", part * 4)] + states]
+            host += [(k + " (host)", v) for k, v in grad_buf + [("fp32 gradient buffer", tpart * 4)] + states]
             if off == OffloadDevice.nvme:
                 # ZeRO-Infinity: fp32 param + m + v (+ grads) swap out; pinned swap buffers stay on host.
-                nvme += part * (MASTER_BYTES + ADAM_STATE_BYTES + 4)
+                nvme += tpart * (MASTER_BYTES + ADAM_STATE_BYTES + 4)
                 host = [(k, v) for k, v in host if k not in ("fp32 master copies (host)", "optimizer states (host)")]
                 host.append(("NVMe optimizer swap buffers (host)",
-                             NVME_OPTIMIZER_BUFFERS * min(part, DS_SUB_GROUP_SIZE) * 4))
+                             NVME_OPTIMIZER_BUFFERS * min(tpart, DS_SUB_GROUP_SIZE) * 4))
         else:
             dev += grad_buf + states
         if off_param and off == OffloadDevice.nvme:
@@ -181,7 +183,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
             host = [(k, v) for k, v in host if k != "parameters (host)"]
             count, size = NVME_PARAM_BUFFERS
             host.append(("NVMe param swap buffers (host)", count * size * p))
-    return ModelStates(phase(dev), host, nvme, part)
+    return ModelStates(phase(dev), host, nvme, tpart)
 
 
 def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) -> int:
@@ -201,20 +203,20 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     """
     dtype = Dtype(cfg.precision.dtype)
     g = DTYPE_BYTES[dtype]
-    P, stage = bd.total, cfg.zero.stage
+    P, stage = bd.trainable, cfg.zero.stage  # the optimizer sees the trainable parameters only
     unfused = plan.optimizer in (OptimizerImpl.torch_adamw, OptimizerImpl.bnb_adamw8bit, OptimizerImpl.torch_sgd) \
         and plan.world.accelerator == "cpu"
-    overflow = 4 * min(bd.largest_tensor, part if stage >= 2 else bd.largest_tensor) if dtype == Dtype.fp16 else 0
+    overflow = 4 * min(bd.largest_trainable, part if stage >= 2 else bd.largest_trainable) if dtype == Dtype.fp16 else 0
     if stage == 0:
         if dtype == Dtype.fp32:
-            return optimizer_step_bytes(plan, bd.largest_tensor)
+            return optimizer_step_bytes(plan, bd.largest_trainable)
         if dtype == Dtype.bf16 and plan.pipeline:
             # BF16_Optimizer (bf16_optimizer.py step): the flat 16-bit grad partition upcast to fp32, then the
             # optimizer steps that one flat fp32 partition, not tensor by tensor (measured: GPT-2 small, 2
             # stages, live tensors 331 MiB above a count that took the largest tensor).
             return 4 * part + optimizer_step_bytes(plan, part)
         if unfused:
-            return 4 * P + optimizer_step_bytes(plan, bd.largest_tensor)
+            return 4 * P + optimizer_step_bytes(plan, bd.largest_trainable)
         return max(8 * P, overflow)
     sub = part if stage < 3 else min(part, DS_SUB_GROUP_SIZE)
     if plan.offload_optimizer:  # the step runs on the host: part of this "device" only on CPU ranks
