@@ -52,15 +52,17 @@ def latest_tag(root: Path) -> Optional[str]:
 
 def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_state: Dict[str, Any], rank: int,
          writer: bool, barrier: Callable[[], None], keep_last: int, world: Optional[Dict[str, int]] = None,
-         at_point: Optional[Callable[[int], None]] = None) -> str:
-    """``at_point(k)`` is called at each numbered point of the save (tests kill or snapshot there)."""
+         at_point: Optional[Callable[[int], None]] = None, frozen_base: bool = False) -> str:
+    """``at_point(k)`` is called at each numbered point of the save (tests kill or snapshot there). ``frozen_base``
+    (adapter=lora): the frozen base weights are left out, the checkpoint holds the adapters and their states."""
     import torch
 
     tag = tag_for(step)
     point = at_point or (lambda k: None)
     root.mkdir(parents=True, exist_ok=True)
     point(0)
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=frozen_base)
     point(1)
     torch.save(rng_state, root / tag / f"rng_rank{rank}.pt")
     point(2)
@@ -136,13 +138,15 @@ def damage(root: Path, tag: str) -> Optional[str]:
     return mismatch(tag_dir, mark.get("files") or {})
 
 
-def load(engine, root: Path, tag: str, *, rank: int) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
-    """Load a complete tag into the engine; returns (client_state, this rank's RNG state)."""
+def load(engine, root: Path, tag: str, *, rank: int, frozen_base: bool = False
+         ) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """Load a complete tag into the engine; returns (client_state, this rank's RNG state). ``frozen_base``: the
+    checkpoint holds the adapters only; the frozen base is the one the run built (same seed or weights)."""
     import torch
 
     if not (root / tag / COMPLETE).is_file():
         raise RuntimeError(f"checkpoint {root / tag} is incomplete (no {COMPLETE} marker); refusing to resume from it")
-    path, client_state = engine.load_checkpoint(str(root), tag=tag)
+    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_module_strict=not frozen_base)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     rng_file = root / tag / f"rng_rank{rank}.pt"

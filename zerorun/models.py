@@ -140,3 +140,16 @@ def pretrained_problems(m: ModelConfig) -> List[UserError]:
         return []
     except Exception as e:  # offline, unknown repo, gated: all mean "not loadable"
         return [ModelLoadError(offline_hint(m.name_or_path, e), key=key, value=value)]
+
+
+def with_lora(model, m: ModelConfig, adapter, task: TaskName):
+    """``model`` with LoRA adapters (peft) on the adapter's target modules; everything else frozen (a classifier
+    head trains too: peft's SEQ_CLS task keeps it in modules_to_save)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from .arch import lora_targets
+
+    config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                        target_modules=list(lora_targets(m, adapter)),
+                        task_type=TaskType.CAUSAL_LM if task == TaskName.causal_lm else TaskType.SEQ_CLS)
+    return get_peft_model(model, config)

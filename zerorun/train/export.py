@@ -22,8 +22,15 @@ def export(trainer: Trainer) -> Optional[str]:
     trainer.engine.train()
     if trainer.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        trainer.strategy.export_model(trainer.hf_model).save_pretrained(str(out), state_dict=state_dict,
-                                                                         safe_serialization=True)
+        model = trainer.strategy.export_model(trainer.hf_model)
+        if trainer.cfg.adapter.name.value == "lora":
+            # The adapter (adapter_config.json + adapter_model.safetensors: small) in adapter/; with
+            # adapter.merge=true the merged model as a normal Hugging Face checkpoint beside it.
+            model.save_pretrained(str(out / "adapter"), safe_serialization=True)
+            if trainer.cfg.adapter.merge:
+                model.merge_and_unload().save_pretrained(str(out), safe_serialization=True)
+        else:
+            model.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
         AutoTokenizer.from_pretrained(trainer.prepared.tokenizer_dir).save_pretrained(str(out))
         torch.save({"inputs": {k: v.cpu() for k, v in probe.items()}, "task": trainer.task.value, "logits": logits,
                     "dtype": str(next(trainer.engine.module.parameters()).dtype).replace("torch.", "")},

@@ -22,6 +22,10 @@ class DataParallel:
     def module(self, model):
         if self.cfg.trainer.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.adapter.name.value == "lora":
+            from ..models import with_lora
+
+            return with_lora(model, self.cfg.model, self.cfg.adapter, self.plan.task)
         return model
 
     def attach(self, engine, rank: int, world: int) -> None:
@@ -59,7 +63,7 @@ class DataParallel:
         return self.engine.module.state_dict()
 
     def export_model(self, hf_model):
-        return self.engine.module
+        return self.engine.module  # a PeftModel with adapter=lora
 
     def probe_logits(self, probe: Dict[str, Any], task: TaskName):
         return self.engine.module(**probe).logits.float().cpu()

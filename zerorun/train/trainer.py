@@ -252,10 +252,12 @@ class Trainer:
                                world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
                                       "global_batch": self.plan.global_batch_size,
                                       "optimizer": self.plan.optimizer.value},
-                               at_point=interrupts.save_hook(self.rank, step, root))
+                               at_point=interrupts.save_hook(self.rank, step, root),
+                               frozen_base=self.cfg.adapter.name.value == "lora")
 
     def resume(self, ckpt_root, tag: str) -> None:
-        client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank)
+        client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank,
+                                            frozen_base=self.cfg.adapter.name.value == "lora")
         self.start_step = int(client_state["step"])
         # Step k takes the k-th global batch whatever the split (RankSampler), so the position follows
         # from the step: exact also when the micro-batch, accumulation or rank count changed since the save.
