@@ -75,6 +75,31 @@ class Decoder:
             out.append((1, e * s * t))
         return out
 
+    def saved_per_layer_lora(self, b: int, s: int, e: int, masked: bool, targets, r: int, dropout: float,
+                             mask_bytes: int) -> List[Tuple[int, int]]:
+        """The same with the base frozen and LoRA on ``targets`` (research §3.5): frozen projections save no input
+        and frozen norms no normalized output; each adapted module's lora_A saves its input once per distinct input
+        tensor (q/k/v share the norm output, gate/up theirs; o_proj's is SDPA's saved output), or with dropout
+        its own mask and dropout output; lora_B saves lora_A's output (r wide)."""
+        t, h, i, a, d = b * s, self.hidden, self.intermediate, self.heads, self.head_dim
+        kv = a if masked else self.kv_heads
+        out = [(2, 4 * h * t), (2, 4 * t), (3, e * i * t), (2, e * a * d * t), (2, e * kv * d * t), (1, 4 * a * t)]
+        if masked:
+            out.append((1, e * s * t))
+        inputs = {"q_proj": ("attn", h), "k_proj": ("attn", h), "v_proj": ("attn", h), "o_proj": ("o", a * d),
+                  "gate_proj": ("mlp", h), "up_proj": ("mlp", h), "down_proj": ("down", i)}
+        used = [inputs[n] for n in targets if n in inputs]
+        if dropout > 0:
+            out += [(1, (mask_bytes + e) * width * t) for _, width in used]
+        else:
+            out += [(1, e * width * t) for key, width in sorted(set(used)) if key != "o"]
+        return out + [(len(used), e * r * t)]
+
+    def saved_outside_lora(self, b: int, s: int, e: int) -> List[Tuple[int, int]]:
+        """Outside the layers with a frozen base: the final norm's fp32 input and rsqrt, RoPE's cos and sin."""
+        t = b * s
+        return [(1, 4 * self.hidden * t), (1, 4 * t), (2, e * s * self.head_dim)]
+
     def saved_outside(self, b: int, s: int, e: int) -> List[Tuple[int, int]]:
         """Saved outside the layers: the final norm (as a layer's), the LM head's input, RoPE's cos and sin."""
         t, h = b * s, self.hidden

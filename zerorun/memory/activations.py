@@ -97,7 +97,7 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
                 checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
-                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD) -> Activations:
+                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD, lora=None) -> Activations:
     """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1).
 
     Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
@@ -121,7 +121,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     """
     if Family(m.family) == Family.llama:
         return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
-                                   checkpointing, num_labels, mmap_threshold)
+                                   checkpointing, num_labels, mmap_threshold, lora)
     b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers
     inner = m.intermediate_size or 4 * h
     e = DTYPE_BYTES[Dtype(dtype)]
@@ -203,7 +203,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
 
 
 def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, checkpointing: bool, num_labels: int,
-                        mmap_threshold: int) -> Activations:
+                        mmap_threshold: int, lora=None) -> Activations:
     """A Llama-class decoder's activations with SDPA (transformers' default on every device; no dropout): the
     tensors zerorun/arch.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
     skipped and K/V stay at their own heads; checkpointing turns the cache off, and recomputation takes the
@@ -214,6 +214,10 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
         if accelerator == "cpu" else (lambda sizes: 0)
     t = b * s
     plain, masked, outside = d.saved_per_layer(b, s, e, False), d.saved_per_layer(b, s, e, True), d.saved_outside(b, s, e)
+    if lora is not None:  # (targets, r, dropout): the frozen base saves less, the adapters their own
+        mask_bytes = (CUDA_MASK_BYTES if accelerator == "cuda" else e)
+        plain, masked = (d.saved_per_layer_lora(b, s, e, m, *lora, mask_bytes) for m in (False, True))
+        outside = d.saved_outside_lora(b, s, e)
     kept = e * d.hidden * t
     mask = b * s * s if checkpointing else 0
     return Activations("sdpa-fused", total(plain), total(masked), kept, total(outside) + mask,

@@ -20,7 +20,7 @@ from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfi
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
-from ..arch import lora_layer_tensors
+from ..arch import lora_layer_tensors, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations, with_lora
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
@@ -125,10 +125,11 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     labels = cfg.task.num_labels
     bd = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
     key = model_key(cfg.model, plan.task, labels, cfg.adapter)
+    lora = (lora_targets(cfg.model, cfg.adapter), cfg.adapter.r, cfg.adapter.dropout) if bd.lora else None
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
-                      mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib))
-    if bd.lora:
+                      mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib), lora=lora)
+    if bd.lora and Family(cfg.model.family) != Family.llama:  # GPT-2/BERT: the full model's terms + the adapters
         act = with_lora(act, lora_layer_tensors(cfg.model, cfg.adapter)[1], cfg.adapter.r, cfg.adapter.dropout,
                         DTYPE_BYTES[Dtype(cfg.precision.dtype)], plan.micro_batch_size * plan.seq_len,
                         plan.world.accelerator)
