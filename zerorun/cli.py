@@ -111,7 +111,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world, prepared.longest), plan_hw, cal)
         if world.accelerator == "cpu":
             say("CPU ranks: mmap threshold 1 MiB (freed activations go back to the OS; the validated figure; "
-                "launcher.mmap_threshold_mib=0 is faster and holds more resident, with a wider bound)")
+                "launcher.mmap_threshold_mib=0 runs ~1.6x faster and holds more resident, with a wider bound)")
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
