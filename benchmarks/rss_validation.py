@@ -80,15 +80,18 @@ def points(which: str, data_dir: Path) -> List[List[str]]:
 
 
 MODELS = ("tiny-gpt2", "tiny-bert", "gpt2", "minilm")
+DECODERS = ("tiny-llama", "tiny-qwen2")
+"""Llama-class decoders built from config (``--models tiny-llama,tiny-qwen2``): half of their draws use LoRA."""
 
 
-def draw(rng, data_dir: Path) -> List[str]:
+def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     """One config drawn uniformly from the space zerorun supports on CPU ranks, before the rules between keys
     (``random_points`` redraws what they refuse): the mmap mode is left to auto, as a user's run would be."""
-    model = rng.choice(MODELS)
+    model = rng.choice(models)
     bert = model in ("tiny-bert", "minilm")
     ranks = rng.choice((1, 2))
-    pipeline = ranks == 2 and rng.random() < 0.2
+    decoder = model in DECODERS
+    pipeline = ranks == 2 and not decoder and rng.random() < 0.2
     stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2, 3))
     offload = "none" if pipeline else rng.choice(("none", "cpu", "nvme"))
     max_seq = 256 if model == "tiny-gpt2" else 512
@@ -99,12 +102,14 @@ def draw(rng, data_dir: Path) -> List[str]:
            f"optimizer={rng.choice(('adamw', 'adamw8bit', 'sgd'))}"]
     if pipeline:
         ovs += ["parallel=pipeline", "parallel.micro_batches=4"]
+    if decoder and rng.random() < 0.5:  # LoRA trains with ZeRO-0/1/2 (random_points redraws stage 3)
+        ovs += ["adapter=lora", f"adapter.r={rng.choice((4, 8, 16))}"]
     if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
         ovs += [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
     return ovs
 
 
-def random_points(n: int, seed: int, data_dir: Path) -> List[List[str]]:
+def random_points(n: int, seed: int, data_dir: Path, models=MODELS) -> List[List[str]]:
     """``n`` configs the rules accept, drawn with ``seed``. What the memory gate then refuses on this machine is
     reported and skipped by the caller (a user's run would stop there too)."""
     import random
@@ -114,9 +119,10 @@ def random_points(n: int, seed: int, data_dir: Path) -> List[List[str]]:
 
     rng, hw, out = random.Random(seed), detect(), []
     while len(out) < n:
-        ovs = draw(rng, data_dir)
+        ovs = draw(rng, data_dir, models)
         cfg = compose([*BASE, *[o for o in ovs if not o.startswith("data.path")]])
-        if not check(cfg, plan_world(cfg, hw)):
+        lora_stage3 = cfg.adapter.name.value == "lora" and cfg.zero.stage == 3  # refused at launch
+        if not check(cfg, plan_world(cfg, hw)) and not lora_stage3:
             out.append(ovs)
     return out
 
@@ -234,6 +240,8 @@ def main() -> None:
     ap.add_argument("--pin-mmap", type=int, metavar="MIB",
                     help="--random: run every drawn config at this mmap threshold instead of auto's choice")
     ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
+    ap.add_argument("--models", help="--random: comma-separated model files to draw from (default: "
+                                     f"{','.join(MODELS)}; {','.join(DECODERS)} add LoRA draws)")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
     ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
                                                    "estimator")
@@ -264,7 +272,7 @@ def main() -> None:
         BASE.pop()  # launcher.mmap_threshold_mib: auto, as a user's run
         if args.pin_mmap is not None:  # the same draws in one fixed mode (what auto would get if it chose it)
             BASE.append(f"launcher.mmap_threshold_mib={args.pin_mmap}")
-        chosen = random_points(args.random, seed, work)
+        chosen = random_points(args.random, seed, work, tuple(args.models.split(",")) if args.models else MODELS)
     else:
         chosen = points(args.set, work)
     for i, ovs in enumerate(chosen):
