@@ -67,13 +67,16 @@ class Decoder:
         attention output and its fp32 log-sum-exp. ``masked``: the materialized-mask path (no KV cache, i.e.
         checkpointing's recomputation, or padding): K and V repeated to every query head, and the mask in the
         compute dtype per layer."""
-        t, h, i, a, d = b * s, self.hidden, self.intermediate, self.heads, self.head_dim
+        t, h, i = b * s, self.hidden, self.intermediate
+        return [(2, 4 * h * t), (2, 4 * t), (2, e * h * t), (2, e * h * t), (4, e * i * t),
+                *self._attention_saved(b, s, e, masked)]
+
+    def _attention_saved(self, b: int, s: int, e: int, masked: bool) -> List[Tuple[int, int]]:
+        """What SDPA keeps whether or not the projections train: q and its output, k and v (at every query head on
+        the masked path), the fp32 log-sum-exp, and on the masked path the mask in the compute dtype."""
+        t, a, d = b * s, self.heads, self.head_dim
         kv = a if masked else self.kv_heads
-        out = [(2, 4 * h * t), (2, 4 * t), (2, e * h * t), (2, e * h * t), (4, e * i * t),
-               (2, e * a * d * t), (2, e * kv * d * t), (1, 4 * a * t)]
-        if masked:
-            out.append((1, e * s * t))
-        return out
+        return [(2, e * a * d * t), (2, e * kv * d * t), (1, 4 * a * t), *([(1, e * s * t)] if masked else [])]
 
     def saved_per_layer_lora(self, b: int, s: int, e: int, masked: bool, targets, r: int, dropout: float,
                              mask_bytes: int) -> List[Tuple[int, int]]:
@@ -82,10 +85,7 @@ class Decoder:
         tensor (q/k/v share the norm output, gate/up theirs; o_proj's is SDPA's saved output), or with dropout
         its own mask and dropout output; lora_B saves lora_A's output (r wide)."""
         t, h, i, a, d = b * s, self.hidden, self.intermediate, self.heads, self.head_dim
-        kv = a if masked else self.kv_heads
-        out = [(2, 4 * h * t), (2, 4 * t), (3, e * i * t), (2, e * a * d * t), (2, e * kv * d * t), (1, 4 * a * t)]
-        if masked:
-            out.append((1, e * s * t))
+        out = [(2, 4 * h * t), (2, 4 * t), (3, e * i * t), *self._attention_saved(b, s, e, masked)]
         inputs = {"q_proj": ("attn", h), "k_proj": ("attn", h), "v_proj": ("attn", h), "o_proj": ("o", a * d),
                   "gate_proj": ("mlp", h), "up_proj": ("mlp", h), "down_proj": ("down", i)}
         used = [inputs[n] for n in targets if n in inputs]
@@ -118,6 +118,13 @@ class Decoder:
                     max_position_embeddings=self.max_positions, tie_word_embeddings=self.tied,
                     **({"attention_bias": self.o_bias, "mlp_bias": self.mlp_bias}
                        if self.model_type == "llama" else {}))
+
+
+def model_code(m) -> str:
+    """The transformers module directory that builds a ModelConfig: the decoder's model_type for family=llama, else
+    the family's own name (gpt2, bert, roberta)."""
+    family = getattr(m.family, "value", m.family)
+    return m.model_type if family == "llama" else family
 
 
 def decoder_of(m) -> Decoder:
@@ -206,13 +213,16 @@ def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
 
 
 def lora_targets(m, adapter) -> Tuple[str, ...]:
-    code = m.model_type if getattr(m.family, "value", m.family) == "llama" else getattr(m.family, "value", m.family)
-    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[code]
+    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[model_code(m)]
 
 
-def lora_layer_tensors(m, adapter) -> Tuple[Tuple[int, ...], Tuple[Tuple[int, int], ...]]:
-    """(the adapter tensors one layer gains: lora_A r×in and lora_B out×r per adapted module, numel;
-    the (in, out) of each adapted module)."""
+def adapted_shapes(m, targets) -> Tuple[Tuple[int, int], ...]:
+    """The (in, out) of every module of one layer that LoRA on ``targets`` adapts."""
     linears = layer_linears(m)
-    adapted = tuple(shape for name in lora_targets(m, adapter) for shape in linears.get(name, []))
-    return tuple(n for fan_in, fan_out in adapted for n in (adapter.r * fan_in, fan_out * adapter.r)), adapted
+    return tuple(shape for name in targets for shape in linears.get(name, []))
+
+
+def lora_layer_tensors(m, adapter) -> Tuple[int, ...]:
+    """The adapter tensors one layer gains: lora_A r×in and lora_B out×r per adapted module (numel)."""
+    return tuple(n for fan_in, fan_out in adapted_shapes(m, lora_targets(m, adapter))
+                 for n in (adapter.r * fan_in, fan_out * adapter.r))

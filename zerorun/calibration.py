@@ -97,7 +97,7 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
 
 
 def baseline_key(cfg: RunConfig, hw: Hardware) -> str:
-    from .models import model_code
+    from .arch import model_code
 
     return f"{BASELINE}|{hw.device_name or hw.accelerator}|{model_code(cfg.model)}"
 
@@ -107,7 +107,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     (python -m zerorun.train.baseline, ~6 s) and store it beside the corrections. A failed measurement is
     reported and the prior stays: it must never stop a launch."""
     from . import launcher
-    from .models import model_code
+    from .arch import model_code
 
     path = cache_file(cfg)
     key, env = baseline_key(cfg, hw), environment()

@@ -47,17 +47,11 @@ def hf_config(m: ModelConfig, num_labels: int = 2):
                hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout, num_labels=num_labels)
 
 
-def model_code(m: ModelConfig) -> str:
-    """The transformers module directory that builds ``m``: the family's, or the decoder's model_type."""
-    return m.model_type if m.family == Family.llama else Family(m.family).value
-
-
 def import_model_code(name: str) -> None:
-    """Import a model's transformers modeling code now (``name``: model_code): it is most of a rank's non-tensor
-    memory (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
+    """Import a model's transformers modeling code now (``name``: arch.model_code): it is most of a rank's
+    non-tensor memory (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
     import importlib
 
-    name = getattr(name, "value", name)
     importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 

@@ -8,7 +8,7 @@ from hypothesis import Phase, given, settings, strategies as st
 from helpers import CPU2, composed
 from zerorun import memory as M
 from zerorun.arch import DECODER_TYPES, model_fields_from_config_json
-from zerorun.config import ConfigError, Family, UserError, check
+from zerorun.config import Family, UserError, check
 
 
 def meta_count(model_type: str, cfg: dict) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..arch import Decoder, decoder_of
+from ..arch import Decoder, adapted_shapes, decoder_of
 from ..config import Dtype, Family, ModelConfig, TaskName, default_task
 from ..config.rules import CPU_MMAP_THRESHOLD
 
@@ -122,6 +122,19 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     if Family(m.family) == Family.llama:
         return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
                                    checkpointing, num_labels, mmap_threshold, lora)
+    full = _activations(m, micro_batch, seq_len, dtype, accelerator, checkpointing, kernel, task, num_labels,
+                        mmap_threshold)
+    if lora is None:
+        return full
+    # GPT-2/BERT with LoRA: the full model's terms plus the adapters' own (an upper bound, not measured yet)
+    targets, r, dropout = lora
+    return with_lora(full, adapted_shapes(m, targets), r, dropout, DTYPE_BYTES[Dtype(dtype)], micro_batch * seq_len, accelerator)
+
+
+def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
+                 checkpointing: bool, kernel: Optional[str], task: Optional[TaskName], num_labels: int,
+                 mmap_threshold: int) -> Activations:
+    """GPT-2 and BERT/RoBERTa, every parameter trained (``activations`` says what each term is)."""
     b, s, h, a, L = micro_batch, seq_len, m.hidden_size, m.num_heads, m.num_layers
     inner = m.intermediate_size or 4 * h
     e = DTYPE_BYTES[Dtype(dtype)]

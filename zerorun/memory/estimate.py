@@ -20,8 +20,8 @@ from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfi
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
-from ..arch import lora_layer_tensors, lora_targets
-from .activations import DTYPE_BYTES, Activations, activations, with_lora
+from ..arch import lora_targets
+from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
@@ -76,6 +76,11 @@ class Estimate:
     0: the same as ``per_rank_peak_bytes`` (no export phase, or it is not the peak)."""
     others_bound_bytes: int = 0
 
+    def others_json(self) -> Dict[str, int]:
+        """The figures of the ranks that do not export, where they differ (estimate.json, per stage too)."""
+        return ({"other_ranks_peak_bytes": self.others_peak_bytes, "other_ranks_bound_bytes": self.others_bound_bytes}
+                if self.others_peak_bytes else {})
+
     def top(self, n: int = 3, *, overheads: bool = False) -> List[Tuple[str, int]]:
         """The n biggest consumers of the peak, largest first; the fixed overheads (context, NCCL,
         allocator margin, process runtime) only with ``overheads=True``."""
@@ -91,8 +96,7 @@ class Estimate:
             "per_rank_bound_bytes": self.bound_bytes,
             "per_rank_bound_gib": round(self.bound_bytes / GIB, 3),
             "bound_widths": dict(self.bound_widths),
-            **({"other_ranks_peak_bytes": self.others_peak_bytes, "other_ranks_bound_bytes": self.others_bound_bytes}
-               if self.others_peak_bytes else {}),
+            **self.others_json(),
             "device_capacity_bytes": self.device_capacity_bytes,
             "fits": self.fits,
             "fits_device": self.fits_device,
@@ -129,10 +133,6 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
                       mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib), lora=lora)
-    if bd.lora and Family(cfg.model.family) != Family.llama:  # GPT-2/BERT: the full model's terms + the adapters
-        act = with_lora(act, lora_layer_tensors(cfg.model, cfg.adapter)[1], cfg.adapter.r, cfg.adapter.dropout,
-                        DTYPE_BYTES[Dtype(cfg.precision.dtype)], plan.micro_batch_size * plan.seq_len,
-                        plan.world.accelerator)
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
@@ -160,8 +160,7 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         est, host_bytes_per_node=int(host_node), fits_host=fits_host, fits_device=fits_device,
         fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
         stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, per_rank_bound_bytes=e.bound_bytes,
-                     **({"other_ranks_peak_bytes": e.others_peak_bytes, "other_ranks_bound_bytes": e.others_bound_bytes}
-                        if e.others_peak_bytes else {}),
+                     **e.others_json(),
                      peak_phase=e.peak_phase,
                      model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
                      phases={k: dict(v) for k, v in e.phases.items()})

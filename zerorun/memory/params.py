@@ -96,7 +96,7 @@ def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int =
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
     decoder = decoder_of(m) if Family(m.family) == Family.llama else None
-    lora = lora_layer_tensors(m, adapter)[0] if adapter is not None and adapter.name.value == "lora" else ()
+    lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.value == "lora" else ()
     return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
             m.max_positions, m.type_vocab_size, num_labels, decoder, lora)
 

@@ -54,7 +54,8 @@ class Trainer:
         if self.accel.device_name() == "cuda":
             self.accel.set_device(self.local_rank)  # before the first collective: NCCL uses the current device
         _agree_or_leave(run_dir, dist, self.rank)
-        from ..models import import_model_code, model_code
+        from ..arch import model_code
+        from ..models import import_model_code
 
         import_model_code(model_code(self.cfg.model))
         self.stop = interrupts.StopFlag(run_dir.path, dist)  # a signal from here on stops at a step boundary
