@@ -174,7 +174,8 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                                                                       if k in OVERHEADS),
                      "calibrated": est.get("calibration", {}).get("source") == "calibrated",
                      "calibration": est.get("calibration", {}).get("what", ""),
-                     "process_runtime": e["components"].get("process runtime", 0)})
+                     "process_runtime": e["components"].get("process runtime", 0),
+                     "runtime_overhead": e["components"].get("allocator and runtime overhead", 0)})
     return rows
 
 

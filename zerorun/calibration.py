@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from . import process_probe
 from .config import RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
@@ -90,9 +91,14 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
     corrections = tuple((k, int(r["correction_bytes"])) for k, r in sorted(records.items())
                         if r.get("environment") == env and "correction_bytes" in r)
     cal = dataclasses.replace(DEFAULT_CALIBRATION, environment=env, corrections=corrections)
-    baseline = records.get(baseline_key(cfg, hw)) if hw is not None and hw.accelerator == "cpu" else None
+    if hw is None or hw.accelerator != "cpu":
+        return cal
+    baseline = records.get(baseline_key(cfg, hw))
     if baseline_current(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
+    overhead = records.get(process_probe.overhead_key(cfg, hw))
+    if baseline_current(overhead, env):
+        cal = dataclasses.replace(cal, cpu_runtime_overhead_bytes=int(overhead["overhead_bytes"]))
     return cal
 
 
@@ -103,37 +109,68 @@ def baseline_key(cfg: RunConfig, hw: Hardware) -> str:
 
 
 def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
-    """CPU ranks: measure a rank's process baseline on this machine once per software and model family
-    (python -m zerorun.train.baseline, ~6 s) and store it beside the corrections. A failed measurement is
-    reported and the prior stays: it must never stop a launch."""
-    from . import launcher
+    """CPU ranks: measure what a rank's process holds beyond its tensors on this machine, once per boot,
+    software and kind of run (process_probe: a micro rank of the same kind, ~10 s), and store the process
+    baseline and the runtime overhead beside the corrections. Where the micro rank fails, the baseline alone
+    (python -m zerorun.train.baseline, ~6 s); where that fails too, the priors. It never stops a launch."""
+    import tempfile
+
     from .arch import model_code
 
     path = cache_file(cfg)
-    key, env = baseline_key(cfg, hw), environment()
-    if hw.accelerator != "cpu" or baseline_current(load(path).get(key), env):
+    env = environment()
+    if hw.accelerator != "cpu":
         return
-    log("measuring a CPU rank's process baseline on this machine (once per boot and software) ...")
+    key, okey = baseline_key(cfg, hw), process_probe.overhead_key(cfg, hw)
+    stored = load(path)
+    if baseline_current(stored.get(key), env) and baseline_current(stored.get(okey), env):
+        return
+    log("measuring what a CPU rank holds beyond its tensors on this machine: a micro model of this kind of run "
+        "(once per boot, software and kind) ...")
     t0 = time.perf_counter()
+    new: Dict[str, Dict[str, Any]] = {}
+    stamp = {"environment": env, "boot": boot_id(), "device": hw.device_name, "model": model_code(cfg.model),
+             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="zerorun-probe-") as tmp:
+            got = process_probe.measure(cfg, hw, Path(tmp), DEFAULT_CALIBRATION)
+        new[okey] = {**got, **stamp, "measure": "a micro rank's VmHWM less what the estimator counts for it"}
+        measured = got["ready_bytes"]
+    except (subprocess.SubprocessError, OSError, RuntimeError, ValueError, KeyError) as e:
+        log(f"warning: the micro rank failed ({str(e).strip()[-300:] or type(e).__name__}); measuring the "
+            "process baseline alone, the runtime overhead stays the prior")
+        measured = _baseline_alone(cfg, log)
+        if measured is None:
+            return
+    new[key] = {"baseline_bytes": measured, **stamp, "measure": "VmHWM of a rank at ready",
+                "seconds": round(time.perf_counter() - t0, 1)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = load(path)
+    records.update(new)
+    write_atomic(path, json.dumps(records, indent=2) + "\n")
+    overhead = new.get(okey, {}).get("overhead_bytes")
+    log(f"process baseline {measured / 2**20:.0f} MiB per CPU rank (prior "
+        f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB)"
+        + (f", runtime overhead {overhead / 2**20:.0f} MiB" if overhead is not None else "")
+        + f", in {time.perf_counter() - t0:.0f} s; stored in {path}.")
+
+
+def _baseline_alone(cfg: RunConfig, log) -> Optional[int]:
+    """A rank's process at "ready" without training anything (python -m zerorun.train.baseline)."""
+    from . import launcher
+    from .arch import model_code
+
     proc = None
     try:
         proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", model_code(cfg.model)],
                               env={**os.environ, **launcher.rank_env("cpu", 1)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=600, start_new_session=True)
-        measured = int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
+        return int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError, KeyError) as e:
         tail = proc.stderr[-500:] if proc is not None else ""
         log(f"warning: could not measure the process baseline ({e or type(e).__name__}); the gate uses its "
             f"prior {DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB. {tail or ''}".strip())
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    records = load(path)
-    records[key] = {"baseline_bytes": measured, "environment": env, "boot": boot_id(), "device": hw.device_name,
-                    "model": model_code(cfg.model), "measure": "VmHWM of a rank at ready",
-                    "seconds": round(time.perf_counter() - t0, 1), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    write_atomic(path, json.dumps(records, indent=2) + "\n")
-    log(f"process baseline: {measured / 2**20:.0f} MiB per CPU rank (prior "
-        f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB), stored in {path}.")
+        return None
 
 
 def probe_config(cfg: RunConfig, hw: Hardware) -> RunConfig:

@@ -74,7 +74,10 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
     else:
         lines.append(f"capacity {cap} per rank = available host RAM / {world.nproc_per_node} ranks; CPU ranks keep "
                      f"everything in host RAM; the peak is their resident set: {_gib(cal.cpu_process_bytes)} process "
-                     f"+ tensors + heap retention + {_gib(cal.cpu_overhead_bytes)} overhead (docs/memory.md §5.4).")
+                     f"+ tensors + heap retention + runtime overhead ("
+                     + (f"{_gib(cal.cpu_runtime_overhead_bytes)}, measured here" if cal.cpu_runtime_overhead_bytes
+                        is not None else f"{_gib(cal.cpu_overhead_bytes)}, +{_gib(cal.cpu_zero_overhead_bytes)} at "
+                        "ZeRO >= 1: priors") + "; docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config. at most: the bound the gate decides on "
                  "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits). adamw8bit peak: the same row with "

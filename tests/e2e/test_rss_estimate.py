@@ -22,12 +22,15 @@ def test_peak_rss_is_predicted_within_the_targets(tmp_path, cache_dir):
     env = dict(R.os.environ, HF_HUB_OFFLINE="1", ZERORUN_CACHE=str(cache_dir))
     rows = [r for ovs in R.points("ci", tmp_path) for r in R.run_point(ovs, tmp_path, env)]
     print("\n" + "\n".join(f"{r['config'][:70]:70s} rank {r['rank']}: estimate {r['estimate'] / R.MIB:7.1f} MiB, "
-                           f"measured {r['measured'] / R.MIB:7.1f} MiB" for r in rows))
+                           f"measured {r['measured'] / R.MIB:7.1f} MiB (ready {r['by_point'].get('ready', 0) / R.MIB:.0f}, "
+                           f"first step {r['by_point'].get('first step', 0) / R.MIB:.0f}; runtime overhead "
+                           f"{r['runtime_overhead'] / R.MIB:.0f})" for r in rows))
     print("\n".join(R.summarize(rows)))
     errors = R.errors(rows)
     print(f"process baseline: {rows[0]['process_runtime'] / R.MIB:.1f} MiB ({rows[0]['calibration']})")
     # The baseline differs between machines by tens of MiB: each gate uses the one measured here (§5.4).
     assert all("process baseline measured" in r["calibration"] for r in rows), rows[0]["calibration"]
+    assert all("runtime overhead" in r["calibration"] for r in rows), rows[0]["calibration"]  # a micro rank's (§5.4)
     assert len(rows) == 11  # 5 runs × 2 ranks + 1 single-rank run
     assert statistics.median(abs(e) for e in errors) <= 0.05, R.summarize(rows)
     assert max(abs(e) for e in errors) <= 0.10, R.summarize(rows)

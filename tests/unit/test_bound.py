@@ -90,3 +90,53 @@ def test_a_stored_process_baseline_is_used_only_in_the_boot_it_was_measured(tmp_
     (tmp_path / C.CACHE_NAME).write_text(json.dumps({key: {"baseline_bytes": 123 << 20, "environment": "torch=0",
                                                             "boot": C.boot_id()}}))
     assert not C.calibration_for(cfg, hw).process_measured
+
+
+def test_a_measured_runtime_overhead_replaces_both_priors_for_its_kind_of_run_only(tmp_path, monkeypatch):
+    """The CI machine's ranks held 25-48 MiB more than this machine's beyond their tensors, with the same software:
+    the overhead a micro rank measured here is what the gate adds, for the kind of run it measured."""
+    import json
+
+    from zerorun import calibration as C
+    from zerorun import process_probe as P
+    from zerorun.config import make_plan, plan_world
+    from zerorun.hardware import Hardware
+    from zerorun.memory import estimate
+
+    monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path))
+    hw = Hardware("cpu", 0, 0, 24 * GIB, 1, 2, fp16_ok=False, device_name="some CPU")
+    z2, z0 = composed("+model=tiny-gpt2", "zero=stage2"), composed("+model=tiny-gpt2", "zero=stage0")
+    assert P.overhead_key(z2, hw) != P.overhead_key(z0, hw)
+    stamp = {"environment": C.environment(), "boot": C.boot_id()}
+    (tmp_path / C.CACHE_NAME).write_text(json.dumps({P.overhead_key(z2, hw): {"overhead_bytes": 77 << 20, **stamp}}))
+
+    def overhead(cfg):
+        cal = C.calibration_for(cfg, hw)
+        return estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal).components[P.OVERHEAD_TERM]
+    assert overhead(z2) == 77 << 20
+    assert overhead(z0) == M.DEFAULT_CALIBRATION.cpu_overhead_bytes  # not measured for ZeRO-0: the prior
+
+
+@settings(max_examples=25, deadline=None)
+@given(model=st.sampled_from(["tiny-gpt2", "tiny-bert", "gpt2", "minilm", "tiny-llama", "qwen2.5-7b", "mistral-7b"]),
+       stage=st.integers(0, 3), dtype=st.sampled_from(["fp32", "bf16"]), ckpt=st.booleans(),
+       offload=st.sampled_from(["none", "cpu", "nvme"]), optimizer=st.sampled_from(["adamw", "adamw8bit", "sgd"]))
+def test_the_micro_rank_runs_the_same_kind_of_run_on_a_micro_model(model, stage, dtype, ckpt, offload, optimizer):
+    """The probe measures the code paths of the user's run (its key), on a model of a few hundred KiB."""
+    from zerorun import process_probe as P
+    from zerorun.config import check, plan_world
+    from zerorun.hardware import Hardware
+    from zerorun.memory import count_params
+
+    hw = Hardware("cpu", 0, 0, 24 * GIB, 1, 2, fp16_ok=False, device_name="some CPU")
+    cfg = composed(f"+model={model}", f"zero=stage{stage}", f"precision={dtype}", f"offload={offload}",
+                   f"trainer.activation_checkpointing={str(ckpt).lower()}", f"optimizer={optimizer}")
+    ok = dict(libaio=True, writable=lambda path: None)
+    if check(cfg, plan_world(cfg, hw), **ok):
+        return  # a combination the launcher refuses is not a run to probe
+    micro = P.micro_config(cfg)
+    same = lambda c: [p for p in P.overhead_key(c, hw).split("|") if not p.startswith("threads")]  # noqa: E731
+    assert same(micro) == same(cfg)
+    assert count_params(micro.model) < 500_000 and micro.launcher.nproc_per_node == 1
+    assert not micro.model.pretrained and micro.data.seq_len <= micro.model.max_positions
+    assert check(micro, plan_world(micro, hw), **ok) == []  # a config the launcher accepts

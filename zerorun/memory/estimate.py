@@ -317,7 +317,9 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
-        comps["allocator and runtime overhead"] = cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
+        comps["allocator and runtime overhead"] = (cal.cpu_runtime_overhead_bytes
+                                                   if cal.cpu_runtime_overhead_bytes is not None else
+                                                   cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0))
         per_rank = sum(comps.values())
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)
         device = "cpu (host RAM)"
@@ -368,8 +370,9 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     fits_host=fits_host, model_state_bytes=int(states.model_state_bytes), params=bd.total,
                     summary=summary, notes=notes, bound_bytes=bound, bound_widths=widths,
                     calibration="calibrated on this machine" if correction is not None else
-                    "prior; process baseline measured on this machine" if cal.process_measured and
-                    world.accelerator == "cpu" else "prior")
+                    "prior; process baseline measured on this machine"
+                    + (", and its runtime overhead" if cal.cpu_runtime_overhead_bytes is not None else "")
+                    if cal.process_measured and world.accelerator == "cpu" else "prior")
 
 
 def allocator_margin(cfg: RunConfig, cal: Calibration) -> float:

@@ -44,8 +44,12 @@ class Calibration:
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
+    cpu_runtime_overhead_bytes: Optional[int] = None
+    """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of the same kind
+    of run (zerorun/process_probe.py); replaces both priors when present. It moved by 25-48 MiB between
+    machines with the same software (§5.4)."""
     process_measured: bool = False
-    """``cpu_process_bytes`` was measured on this machine (zerorun.train.baseline), not the prior."""
+    """``cpu_process_bytes`` was measured on this machine (zerorun/process_probe.py), not the prior."""
     environment: str = ""
     """What corrections are only valid for: versions of torch, DeepSpeed, transformers and zerorun."""
     corrections: Tuple[Tuple[str, int], ...] = ()

@@ -1,0 +1,130 @@
+"""What a CPU rank's process holds beyond its tensors on this machine, measured by a real rank (docs/memory.md §5.4).
+
+Two terms of a CPU rank's peak RSS have no tensor behind them, and both move between machines with the same
+software: the resident set at "ready" (every import and the process group) and what training adds on top of
+the tensors (code the kernels page in, ZeRO's start-up, allocator and Python bookkeeping). On the CI machine
+the second was 25-48 MiB larger than on the development machine while the first differed by 13 MiB: every
+tiny model read 2-8% under with constants fitted elsewhere. So neither is a constant: before the first
+launch of a kind of run on this machine (model code, precision, ZeRO stage, offload, optimizer, adapter,
+checkpointing, allocator mode, threads), one rank (`python -m zerorun.train`, the real rank code) runs a
+micro model of the same kind for a few steps with its final evaluation and checkpoint (~10 s). Its "ready"
+point is the process baseline; its peak less everything the estimator counts for the micro model is the
+runtime overhead added to every model of that kind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+from .config import Family, OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
+from .config.rules import mmap_threshold_bytes
+from .hardware import Hardware
+
+OVERHEAD = "runtime-overhead"  # calibration.json keys of measured runtime overheads
+OVERHEAD_TERM = "allocator and runtime overhead"
+MICRO = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, vocab_size=512)
+MICRO_SEQ, MICRO_BATCH, MICRO_ROWS, MICRO_STEPS = 32, 2, 16, 3
+
+
+def micro_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a micro model of the same architecture on one rank: every code path a rank of ``cfg`` runs
+    (precision, ZeRO stage, offload, optimizer, adapter, checkpointing), tensors of a few hundred KiB. NVMe
+    offload runs as CPU offload (its swap files need a real path and size); a pipeline as data parallel."""
+    m = cfg.model
+    grouped = m.family == Family.llama and (m.num_kv_heads or m.num_heads) < m.num_heads
+    model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
+                                from_config_json=False, head_dim=None,
+                                num_kv_heads=(1 if grouped else None) if m.family == Family.llama else m.num_kv_heads)
+    off = cfg.offload
+    if off.device == OffloadDevice.nvme:
+        off = dataclasses.replace(off, device=OffloadDevice.cpu, nvme_path="")
+    tr = dataclasses.replace(cfg.trainer, max_steps=MICRO_STEPS, micro_batch_size=MICRO_BATCH, global_batch_size=None,
+                             warmup_steps=1, save_every=0, eval_every=0, export=False, progress=False, report=False,
+                             resume=False, resume_from="", checkpoint_dir="", export_dir="", max_restarts=0)
+    la = dataclasses.replace(cfg.launcher, nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                             hostfile="", master_port=None)
+    return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la,
+                               parallel=dataclasses.replace(cfg.parallel, mode=ParallelMode.dp, stages=1),
+                               data=dataclasses.replace(cfg.data, seq_len=MICRO_SEQ), dry_run=False)
+
+
+def threads_per_rank(cfg: RunConfig, hw: Hardware) -> int:
+    return max(1, hw.cpu_cores // plan_world(cfg, hw, nodes=1).nproc_per_node)
+
+
+def overhead_key(cfg: RunConfig, hw: Hardware) -> str:
+    """What the runtime overhead depends on: the code paths a rank runs, not the model's size."""
+    from .arch import model_code
+
+    off = cfg.offload.device.value if cfg.offload.device != OffloadDevice.nvme else "cpu"
+    parts = [OVERHEAD, hw.device_name or hw.accelerator, model_code(cfg.model), cfg.precision.dtype.value,
+             f"zero{cfg.zero.stage}", f"offload-{off}{'+params' if cfg.offload.params else ''}",
+             cfg.optimizer.name.value, cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
+             f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}", f"threads{threads_per_rank(cfg, hw)}"]
+    return "|".join(parts)
+
+
+def write_micro_data(cfg: RunConfig, task: str, work: Path):
+    """Random token data in the layout the rank reads (data/loader.py), for the micro model."""
+    import numpy as np
+
+    from .data.prepare import Prepared
+
+    rng = np.random.default_rng(0)
+    vocab = MICRO["vocab_size"]
+    paths = {}
+    for split in ("train", "val"):
+        if task == "causal_lm":
+            paths[split] = str(work / f"{split}.npy")
+            np.save(paths[split], rng.integers(1, vocab, (MICRO_ROWS, MICRO_SEQ), dtype=np.int64))
+        else:
+            lengths = rng.integers(MICRO_SEQ // 2, MICRO_SEQ + 1, MICRO_ROWS)
+            lengths[0] = MICRO_SEQ
+            paths[split] = str(work / f"{split}.npz")
+            np.savez(paths[split], ids=rng.integers(1, vocab, int(lengths.sum()), dtype=np.int64),
+                     offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                     labels=rng.integers(0, cfg.task.num_labels, MICRO_ROWS, dtype=np.int64))
+    return Prepared(task=task, train=paths["train"], val=paths["val"], tokenizer_dir="", vocab_size=vocab,
+                    num_train=MICRO_ROWS, num_val=MICRO_ROWS, seq_len=MICRO_SEQ, cache_key="micro-probe",
+                    longest=0 if task == "causal_lm" else MICRO_SEQ)
+
+
+def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
+    """Run the micro rank of ``cfg``'s kind in ``work``; its ready point, peak and runtime overhead (bytes)."""
+    from omegaconf import OmegaConf
+
+    from . import launcher
+    from .ds_config import render
+    from .memory import estimate
+    from .rundir import RunDir
+
+    micro = micro_config(cfg)
+    plan = make_plan(micro, plan_world(micro, hw, nodes=1))
+    work.mkdir(parents=True, exist_ok=True)
+    prepared = write_micro_data(micro, plan.task.value, work)
+    rd = RunDir(work)
+    rd.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(micro)), plan=plan.to_json(),
+                    ds_config=render(micro, plan), estimate={}, prepared=prepared.to_json(), resume=None)
+    port = launcher.free_port()
+    env = {**os.environ, **launcher.rank_env("cpu", threads_per_rank(cfg, hw),
+                                             mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with open(work / "probe.log", "w") as out:
+        rc = subprocess.run([sys.executable, "-m", "zerorun.train", str(work)], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, timeout=600, start_new_session=True).returncode
+    launcher.release_cpu_shm("127.0.0.1", port)
+    summary = rd.read_summary()
+    if rc != 0 or summary is None:
+        raise RuntimeError(f"the micro rank exited {rc}: {(work / 'probe.log').read_text()[-1500:]}")
+    row = summary["peak_memory"][0]
+    ready, peak = int(row["peak_rss_bytes_by_point"]["ready"]), int(row["peak_rss_bytes"])
+    est = estimate(micro, plan, hw, cal=dataclasses.replace(cal, cpu_process_bytes=ready, process_measured=True,
+                                                            corrections=()))
+    counted = est.per_rank_peak_bytes - est.components.get(OVERHEAD_TERM, 0)
+    return {"ready_bytes": ready, "peak_bytes": peak, "counted_bytes": counted,
+            "overhead_bytes": max(0, peak - counted)}
