@@ -42,7 +42,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from zerorun import memory as M
 from zerorun.config import Dtype, Family, ModelConfig, OffloadDevice, ParallelMode, RunConfig, World, default_task, \
     Layout, layouts, make_plan
-from zerorun.config.rules import DECODERS
+from zerorun.arch import traits
 from zerorun.hardware import GIB, Hardware
 from zerorun.telemetry import live_bytes, model_state_bytes
 
@@ -178,7 +178,7 @@ def batch(m: ModelConfig, micro: int, seq: int, device: str = "cpu"):
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, min(m.vocab_size, 4000), (micro, seq), generator=g)
-    labels = ids if Family(m.family) in DECODERS else torch.zeros(micro, dtype=torch.long)
+    labels = ids if traits(m).decoder else torch.zeros(micro, dtype=torch.long)
     return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
@@ -435,7 +435,7 @@ def estimate_activation_row(r: Dict[str, Any], m: ModelConfig) -> Dict[str, Any]
     est = M.estimate(cfg, make_plan(cfg, CPU1), CPU_HW)
     fb = [ph for name, ph in est.phases.items() if name in ("loss", "backward", "embedding grad")]
     states = ("parameters", "buffers", "fp32 master copies", "optimizer states")
-    lm = Family(m.family) in DECODERS
+    lm = traits(m).decoder
     return {"activations": act.saved, "logits": 4 * micro * seq * m.vocab_size if lm else 0,
             "fwd_bwd": max(sum(v for k, v in ph.items() if k not in states) for ph in fb),
             "layer": sum(v for k, v in est.phases["backward"].items() if k not in states)}

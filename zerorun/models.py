@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import List
 
-from .config import DataError, Family, ModelConfig, ModelLoadError, TaskName, UserError
+from .config import DataError, ModelConfig, ModelLoadError, TaskName, UserError
 
 
 def resolve_pkg_path(spec: str) -> str:
@@ -24,27 +24,13 @@ def resolve_pkg_path(spec: str) -> str:
 
 
 def hf_config(m: ModelConfig, num_labels: int = 2):
-    """The transformers config for the architecture the model file describes."""
-    if m.family == Family.llama:
-        from transformers import AutoConfig
+    """The transformers config for the architecture the model file describes (zerorun/arch)."""
+    from transformers import AutoConfig
 
-        from .arch import decoder_of
+    from .arch import hf_config_args
 
-        return AutoConfig.for_model(m.model_type, **decoder_of(m).hf_config_kwargs(), num_labels=num_labels,
-                                    attention_dropout=m.dropout)
-    if m.family == Family.gpt2:
-        from transformers import GPT2Config
-
-        return GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_positions, n_embd=m.hidden_size,
-                          n_layer=m.num_layers, n_head=m.num_heads, n_inner=m.intermediate_size,
-                          resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout, num_labels=num_labels)
-    from transformers import BertConfig, RobertaConfig
-
-    cls = RobertaConfig if m.family == Family.roberta else BertConfig
-    return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-               num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
-               max_position_embeddings=m.max_positions, type_vocab_size=m.type_vocab_size,
-               hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout, num_labels=num_labels)
+    model_type, kwargs = hf_config_args(m, num_labels)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def import_model_code(name: str) -> None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from .config import Family, OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
+from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 
@@ -35,10 +35,9 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     (precision, ZeRO stage, offload, optimizer, adapter, checkpointing), tensors of a few hundred KiB. NVMe
     offload runs as CPU offload (its swap files need a real path and size); a pipeline as data parallel."""
     m = cfg.model
-    grouped = m.family == Family.llama and (m.num_kv_heads or m.num_heads) < m.num_heads
+    grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
     model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
-                                from_config_json=False, head_dim=None,
-                                num_kv_heads=(1 if grouped else None) if m.family == Family.llama else m.num_kv_heads)
+                                from_config_json=False, head_dim=None, num_kv_heads=1 if grouped else None)
     off = cfg.offload
     if off.device == OffloadDevice.nvme:
         off = dataclasses.replace(off, device=OffloadDevice.cpu, nvme_path="")

@@ -1,4 +1,4 @@
-"""A Llama-class decoder's saved activations and logits (the estimate's arithmetic, zerorun/arch.py) against what
+"""A Llama-class decoder's saved activations and logits (the estimate's arithmetic, zerorun/arch/decoder.py) against what
 autograd really saves in a transformers model built from config on CPU: tiny Llama (untied head, GQA 4/2) and tiny
 Qwen2 (q/k/v biases, tied head) × fp32/bf16 × checkpointing off/on × seq 64/128. The instrument is the saved-tensor
 hook (unique storages, parameters excluded; under checkpointing the live bytes at the end of forward), not the

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from zerorun.config import DataConfig, ModelConfig
+from zerorun.config import DataConfig, Family, ModelConfig
 from zerorun.data import DataError, RankSampler, pack, prepare, read_labelled, read_lm_texts, synthetic_corpus, \
     too_few_sequences
 
@@ -39,7 +39,7 @@ def test_rank_sampler_refuses_too_little_data():
 
 def test_prepare_caches(tmp_path):
     data = DataConfig(cache_dir=str(tmp_path), synthetic_docs=200, seq_len=32)
-    model = ModelConfig(name="t", num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
+    model = ModelConfig(name="t", family=Family.gpt2, num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
                         max_positions=64)
     first = prepare(data, model, seed=3)
     second = prepare(data, model, seed=3)
@@ -103,7 +103,7 @@ def test_plain_text_has_no_labels(tmp_path):
 
 
 def test_a_missing_data_file_is_a_data_error_not_a_traceback(tmp_path):
-    model = ModelConfig(name="t", num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
+    model = ModelConfig(name="t", family=Family.gpt2, num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
                         max_positions=64)
     with pytest.raises(DataError, match="data.path=/nonexistent/file.txt: no such file"):
         prepare(DataConfig(path="/nonexistent/file.txt", cache_dir=str(tmp_path)), model, seed=0)

@@ -12,9 +12,9 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (decoder_problems, offload_problems, optimizer_problems, pipeline_problems, resolve_task,
+from .rules import (offload_problems, optimizer_problems, pipeline_problems, resolve_task, shape_problems,
                     task_problems)
-from .schema import Dtype, Family, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
+from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
 def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
@@ -63,11 +63,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                 f"trainer.global_batch_size={fit}, or a micro_batch_size that divides it.",
                 key="trainer.global_batch_size", value=tr.global_batch_size))
 
-    if m.family == Family.llama:
-        problems += decoder_problems(m, cfg.parallel.mode == ParallelMode.pipeline)
-    elif m.hidden_size % m.num_heads:
-        problems.append(P(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.",
-                          "choose heads that divide the hidden size.", key="model.num_heads", value=m.num_heads))
+    problems += shape_problems(m, cfg.parallel.mode == ParallelMode.pipeline)
     if cfg.data.seq_len > m.max_positions:
         problems.append(P(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions} of "
                           f"{m.name}.", f"data.seq_len={m.max_positions} or less.", key="data.seq_len",

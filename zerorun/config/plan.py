@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
+from ..arch import count_params
 from .rules import OptimizerImpl, optimizer_impl, params_offloaded, resolve_task
 from .schema import Dtype, OffloadDevice, ParallelMode, RunConfig, TaskName
 
@@ -89,10 +90,6 @@ class Buckets:
 
 
 def _model_params(cfg: RunConfig) -> int:
-    # The parameter layout lives with the memory estimate; imported here, not at the top, because
-    # zerorun.memory imports this package.
-    from ..memory.params import count_params
-
     return count_params(cfg.model, resolve_task(cfg.task.name, cfg.model.family), cfg.task.num_labels)
 
 

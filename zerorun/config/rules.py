@@ -92,12 +92,11 @@ def layouts(mode: ParallelMode = ParallelMode.dp) -> List[Layout]:
 # Model family → task → built-in data set
 
 
-DECODERS = (Family.gpt2, Family.llama)
-
-
 def default_task(family: Family) -> TaskName:
-    """task=auto: causal LM for the decoders (GPT-2, Llama-class), sequence classification for BERT/RoBERTa."""
-    return TaskName.causal_lm if Family(family) in DECODERS else TaskName.sequence_classification
+    """task=auto: causal LM for the decoders, sequence classification for the encoders (zerorun/arch)."""
+    from ..arch import default_task as arch_default
+
+    return TaskName(arch_default(family))
 
 
 def resolve_task(task: TaskName, family: Family) -> TaskName:
@@ -105,45 +104,29 @@ def resolve_task(task: TaskName, family: Family) -> TaskName:
 
 
 def task_problems(task: TaskName, family: Family, model_name: str, num_labels: int) -> List[UserError]:
-    family = Family(family)
+    from ..arch import families, traits
+
+    decoder = traits(family).decoder
     out = []
-    if task == TaskName.causal_lm and family not in DECODERS:
-        out.append(UserError(f"task=causal_lm with model {model_name} (family {family.value}): encoders are not "
-                             "causal LMs here.", "task=sequence_classification, or a GPT-2 model.", key="task"))
-    if task == TaskName.sequence_classification and family in DECODERS:
+    if task == TaskName.causal_lm and not decoder:
+        out.append(UserError(f"task=causal_lm with model {model_name} (family {Family(family).value}): encoders are "
+                             "not causal LMs here.", f"task=sequence_classification, or a model of a decoder family "
+                             f"({', '.join(families(decoder=True))}).", key="task"))
+    if task == TaskName.sequence_classification and decoder:
         out.append(UserError(f"task=sequence_classification with model {model_name}: zerorun classifies with the "
-                             "BERT family.", "+model=tiny-bert|bert-base-uncased|minilm|roberta-base, or "
-                             "task=causal_lm.", key="task"))
+                             f"encoder families ({', '.join(families(decoder=False))}).", "a model of those "
+                             "families (conf/model/), or task=causal_lm.", key="task"))
     if task == TaskName.sequence_classification and num_labels < 2:
         out.append(UserError(f"task.num_labels={num_labels}: classification needs at least 2 labels.",
                              key="task.num_labels", value=num_labels))
     return out
 
 
-def decoder_problems(m, pipeline: bool) -> List[UserError]:
-    """A Llama-class decoder (family=llama): heads that group, a head width, a known model_type; no pipeline yet."""
-    from ..arch import DECODER_TYPES
+def shape_problems(m, pipeline: bool) -> List[UserError]:
+    """Shapes the model's family cannot build, or a pipeline it has no layers for (zerorun/arch)."""
+    from ..arch import shape_problems as arch_problems
 
-    out = []
-    if m.model_type not in DECODER_TYPES:
-        out.append(UserError(f"model.model_type={m.model_type!r} with family llama: one of {', '.join(DECODER_TYPES)} "
-                             "(the transformers class that builds it).", "model.model_type=llama, or +model=hf "
-                             "model.name_or_path=DIR to read it from a config.json.", key="model.model_type",
-                             value=m.model_type))
-    kv = m.num_kv_heads or m.num_heads
-    if m.num_heads % kv:
-        out.append(UserError(f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}: grouped-query "
-                             "attention shares each key/value head among a whole number of query heads.",
-                             "a num_kv_heads that divides num_heads.", key="model.num_kv_heads", value=kv))
-    if not m.head_dim and m.hidden_size % m.num_heads:
-        out.append(UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
-                             "and model.head_dim is not set.", "set model.head_dim, or heads that divide the hidden "
-                             "size.", key="model.head_dim"))
-    if pipeline:
-        out.append(UserError("parallel=pipeline with a Llama-class decoder: zerorun's pipeline stages wrap GPT-2 and "
-                             "BERT modules only so far.", "parallel=dp with zero=stage3 (and offload) to spread the "
-                             "model instead.", key="parallel.mode", value="pipeline"))
-    return out
+    return [UserError(what, fix, key=key, value=value) for what, fix, key, value in arch_problems(m, pipeline)]
 
 
 BUILTIN_DATASETS = {TaskName.causal_lm: "synthetic", TaskName.sequence_classification: "sentiment"}

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from ..arch import FAMILIES
 from .fields import PathKind, num, path_field, text
 
 
@@ -82,12 +83,9 @@ class GateMode(str, enum.Enum):
     calibrate = "calibrate"
 
 
-class Family(str, enum.Enum):
-    gpt2 = "gpt2"
-    bert = "bert"
-    roberta = "roberta"
-    llama = "llama"
-    """Llama-class decoders (model_type llama, qwen2, mistral): RMSNorm, gated MLP, grouped-query attention."""
+Family = enum.Enum("Family", {name: name for name in FAMILIES}, type=str, module=__name__)
+"""A model file's architecture family: the families zerorun/arch describes (GPT-2 and the Llama-class decoders,
+BERT and RoBERTa encoders)."""
 
 
 class AdapterName(str, enum.Enum):
@@ -170,8 +168,8 @@ class ParallelConfig:
 class ModelConfig:
     name: str = text(MISSING, nonempty=True)
     """Short name of this model file (tiny-gpt2, gpt2, ...)."""
-    family: Family = Family.gpt2
-    """Architecture family: gpt2 or llama (decoders), bert / roberta (encoders)."""
+    family: Family = MISSING
+    """Architecture family (zerorun/arch FAMILIES): decoders, or encoders trained for classification."""
     model_type: str = text("")
     """config.json's model_type: llama, qwen2 or mistral for family=llama (which transformers class builds it)."""
     from_config_json: bool = False

@@ -101,8 +101,11 @@ def builtin_rows(name: str, task: TaskName, num_labels: int, n_docs: int, seed: 
                         "data.path=<your file>, or data.name=synthetic|sentiment.", key="data.name", value=name)
     if TaskName(task) == TaskName.causal_lm:
         if name != "synthetic":
-            raise DataError("data=sentiment is a classification set.", "task=sequence_classification with a BERT "
-                            "model, or data=synthetic.", key="data.name", value=name)
+            from ..arch import families
+
+            raise DataError("data=sentiment is a classification set.", "task=sequence_classification with a model "
+                            f"of an encoder family ({', '.join(families(decoder=False))}), or data=synthetic.",
+                            key="data.name", value=name)
         return synthetic_corpus(n_docs, seed), None, []
     if name != "sentiment":
         raise DataError("data=synthetic has no labels.", "data=sentiment, or data.path=<labelled jsonl/csv>.",

