@@ -144,7 +144,10 @@ def _collective(bytes_: float, calls: int, bw: float, latency: float) -> float:
 
 
 def _tensors(bd: ParamBreakdown) -> tuple:
-    """Every parameter tensor's element count, in module order."""
+    """Every trained parameter tensor's element count, in module order: with LoRA only the adapters (and a
+    classification head) get gradients, are reduced and stepped."""
+    if bd.lora:
+        return (*bd.adapter_tensors * bd.num_layers, *bd.trainable_head)
     return (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
 
 
@@ -162,14 +165,18 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     prof = profile or profile_for(plan.world.accelerator)
     m, dtype = cfg.model, Dtype(cfg.precision.dtype)
     b = DTYPE_BYTES[dtype]
-    bd = param_breakdown(m, plan.task, cfg.task.num_labels)
+    bd = param_breakdown(m, plan.task, cfg.task.num_labels, cfg.adapter)
     stages = plan.pipeline_stages
     micro, accum, seq = plan.micro_batch_size, plan.grad_accum_steps, plan.seq_len
     tokens = micro * seq  # per micro-batch on this rank
     L, h = bd.num_layers, m.hidden_size
     lm_head = bd.tied_embedding if plan.task == TaskName.causal_lm else 0
-    layer_flops = 6 * bd.per_layer * tokens + 12 * seq * h * tokens  # forward + backward of one layer
-    flops = (L * layer_flops + 6 * (bd.head + lm_head) * tokens) / stages
+    # Forward 2 FLOPs per weight and token, backward 2 for the input gradient and 2 for the weight's, which a
+    # frozen weight (LoRA's base) skips; attention's scores and values 12·s·h per token.
+    trained_layer = sum(bd.adapter_tensors) if bd.lora else bd.per_layer
+    trained_head = sum(bd.trainable_head) if bd.lora else bd.head + lm_head
+    layer_flops = (4 * bd.per_layer + 2 * trained_layer) * tokens + 12 * seq * h * tokens
+    flops = (L * layer_flops + (4 * (bd.head + lm_head) + 2 * trained_head) * tokens) / stages
     rate = prof.matmul_flops[dtype.value] * prof.efficiency
     if prof.half_speed_tokens:
         rate *= tokens / (tokens + prof.half_speed_tokens)
@@ -208,7 +215,7 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
     """ZeRO's collectives, offload transfers and the optimizer step for a rank's share of ``bd``."""
     out: "OrderedDict[str, float]" = OrderedDict()
     stages = plan.pipeline_stages
-    n = bd.total // stages
+    n = bd.trainable // stages  # what is reduced, partitioned and stepped (LoRA: the adapters)
     dp, stage = plan.data_parallel_size, cfg.zero.stage
     bw = prof.internode_bytes_per_s if plan.world.nnodes > 1 else prof.collective_bytes_per_s
     lat, bk = prof.collective_latency_s, plan.buckets
@@ -228,9 +235,11 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
             out["param_comm"] = _collective(share * n * b, 1, bw, lat)
         elif stage == 3:
             threshold = bk.stage3_param_persistence_threshold
-            gathered = n - min(n, bd.persistent(threshold) // stages)
+            whole = bd.total // stages  # ZeRO-3 partitions and gathers every parameter, frozen or not
+            gathered = whole - min(whole, bd.persistent(threshold) // stages)
             # One all-gather per parameter tensor above the persistence threshold (its module's), per pass.
-            fetches = sum(1 for t in _tensors(bd) if t > threshold) // stages
+            fetches = sum(1 for t in (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
+                          if t > threshold) // stages
             out["param_comm"] = accum * passes * _collective(share * gathered * b, fetches, bw, lat)
     part = n // dp if stage >= 1 else n
     if plan.offload_optimizer:

@@ -137,3 +137,21 @@ def test_a_gradient_larger_than_the_bucket_is_reduced_in_one_call():
     # The 38.6M-element word embedding is one call of its own, not 65 bucket-fulls.
     assert big < calls < big + bd.total // h2 - bd.embedding_tensors[0] // h2 + 2
     assert reduce_calls(bd, 10**9) == 1  # everything fits one bucket
+
+
+def test_lora_steps_and_reduces_only_the_adapters_and_skips_the_frozen_weight_gradients():
+    """A frozen base has no weight-gradient matmuls (backward 2 FLOPs per weight instead of 4) and nothing to
+    reduce, gather or step but the adapters: the speed model autofit ranks by knows it (issue 26)."""
+    from zerorun.memory import param_breakdown
+
+    base = ("+model=llama-3.2-1b", "zero=stage2", "precision=bf16", "data.seq_len=512", "trainer.micro_batch_size=1")
+    full, lora = terms(*base).terms, terms(*base, "adapter=lora").terms
+    cfg, plan = planned(*base, "adapter=lora")
+    bd = param_breakdown(cfg.model, plan.task, cfg.task.num_labels, cfg.adapter)
+    share = bd.trainable / bd.total
+    assert share < 0.001
+    for term in ("optimizer", "grad_comm", "param_comm"):
+        assert lora[term] < 10 * share * full[term], term
+    # The weights' matmuls are ~4/6 of full training's; attention's and the LM head's are not all weight FLOPs.
+    assert 0.6 < lora["compute"] / full["compute"] < 0.8
+    assert sum(lora.values()) < sum(full.values())
