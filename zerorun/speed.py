@@ -148,7 +148,7 @@ def _tensors(bd: ParamBreakdown) -> tuple:
     classification head) get gradients, are reduced and stepped."""
     if bd.lora:
         return (*bd.adapter_tensors * bd.num_layers, *bd.trainable_head)
-    return (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
+    return bd.tensors()
 
 
 def reduce_calls(bd: ParamBreakdown, bucket: int, stages: int = 1) -> int:
@@ -238,8 +238,7 @@ def _communication(cfg: RunConfig, plan: Plan, prof: SpeedProfile, bd: ParamBrea
             whole = bd.total // stages  # ZeRO-3 partitions and gathers every parameter, frozen or not
             gathered = whole - min(whole, bd.persistent(threshold) // stages)
             # One all-gather per parameter tensor above the persistence threshold (its module's), per pass.
-            fetches = sum(1 for t in (*bd.embedding_tensors, *bd.layer_tensors * bd.num_layers, *bd.head_tensors)
-                          if t > threshold) // stages
+            fetches = sum(1 for t in bd.tensors() if t > threshold) // stages
             out["param_comm"] = accum * passes * _collective(share * gathered * b, fetches, bw, lat)
     part = n // dp if stage >= 1 else n
     if plan.offload_optimizer:

@@ -26,8 +26,8 @@ from .buffers import backward_buffers, embedding_grad_transient, first_reduce, z
 from .params import ParamBreakdown, model_key, param_breakdown
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
 from .stages import pipeline_stages, stage_view
-from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states, phase,
-                     step_transient)
+from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
+                     param_swap_element_bytes, phase, step_transient)
 
 Phase = "OrderedDict[str, int]"
 
@@ -172,7 +172,8 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
     or one pipeline stage); ``built_params``: what build_model() makes on every rank first (the whole
     model); ``key``: the whole model's params.model_key; ``exporter``: this rank writes the final export."""
-    states = model_states(cfg, plan, bd)
+    fp16 = hw.accelerator == "cuda" or hw.fp16_ok
+    states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
     phases = step_phases(cfg, plan, bd, act, states, bwd)
     gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter)

@@ -76,6 +76,10 @@ class ParamBreakdown:
     def total(self) -> int:
         return self.embeddings + self.num_layers * self.per_layer + self.head
 
+    def tensors(self) -> Tuple[int, ...]:
+        """Every parameter tensor's element count, in module order."""
+        return (*self.embedding_tensors, *self.layer_tensors * self.num_layers, *self.head_tensors)
+
     @property
     def largest_tensor(self) -> int:
         return max(self.embedding_tensors + (self.layer_tensors if self.num_layers else ()) + self.head_tensors,

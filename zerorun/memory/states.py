@@ -40,6 +40,10 @@ NVME_PARAM_BUFFERS = (5, 100_000_000)
 """ZeRO-3 NVMe parameter swap: ``buffer_count`` × ``buffer_size`` elements of pinned host memory
 (deepspeed/runtime/zero/offload_config.py defaults; partitioned_param_swapper.py allocates them)."""
 
+MIN_AIO_BYTES = 2**20
+"""A ZeRO-3 partition smaller than this (and than aio.block_size, 1 MiB in zerorun's JSON) is not swapped to NVMe
+(deepspeed/runtime/swap_tensor/utils.py MIN_AIO_BYTES)."""
+
 NVME_OPTIMIZER_BUFFERS = 4
 """NVMe optimizer swap: ``buffer_count`` pinned fp32 buffers of the largest sub-group
 (offload_config.py default 4; optimizer_utils.py SwapBufferManager)."""
@@ -107,13 +111,23 @@ def host_step_bytes(plan: Plan, tensor: int) -> int:
     return 4 * tensor if plan.optimizer == OptimizerImpl.torch_sgd else 0
 
 
-def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
-    """Where the model states of ``bd`` live for the config's ZeRO stage, precision and offload."""
+def param_swap_element_bytes(dtype: Dtype, fp16_supported: bool) -> int:
+    """Bytes per element of ZeRO-3's NVMe parameter swap buffers. zero.Init picks their dtype with
+    ``dtype or torch.float16 if <fp16 supported> else torch.bfloat16 if <a method, always true> else torch.float32``
+    (partition_parameters.py ``_set_dtype``): where fp16 is not supported (most CPUs) they are bf16 whatever the
+    model's dtype (measured: 1e9 bytes for 5 × 1e8 elements in an fp32 run on CPU ranks)."""
+    return DTYPE_BYTES[dtype] if fp16_supported else 2
+
+
+def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_bytes: int = 0) -> ModelStates:
+    """Where the model states of ``bd`` live for the config's ZeRO stage, precision and offload
+    (``swap_element_bytes``: param_swap_element_bytes on the ranks' hardware; 0: the module's dtype)."""
     dtype = Dtype(cfg.precision.dtype)
     # P: every parameter (the module holds them); T: the trainable ones (all, or LoRA's adapters): only those
     # get gradients, fp32 master copies and optimizer states.
     P, T, N, stage = bd.total, bd.trainable, max(1, plan.data_parallel_size), cfg.zero.stage
     p = g = DTYPE_BYTES[dtype]  # 16-bit or fp32 module: params and grads in that dtype
+    swap_element_bytes = swap_element_bytes or p
     mixed = dtype != Dtype.fp32
     off = OffloadDevice(cfg.offload.device)
     off_opt, off_param = plan.offload_optimizer, plan.offload_params
@@ -179,10 +193,17 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> ModelStates:
         else:
             dev += grad_buf + states
         if off_param and off == OffloadDevice.nvme:
-            nvme += part * p
+            # Only partitions of at least one AIO block go to NVMe; smaller ones stay in host memory
+            # (partition_parameters.py swappable_tensor). The swap buffers are page-locked by the AIO handle
+            # (new_cpu_locked_tensor), so resident on CPU ranks too, however little the model swaps (measured:
+            # one 953 MiB mapping fully resident on tiny GPT-2).
+            threshold = plan.buckets.stage3_param_persistence_threshold
+            swapped = [n for n in (math.ceil(t / N) for t in bd.tensors() if t > threshold) if n * p >= MIN_AIO_BYTES]
+            nvme += sum(swapped) * p
             host = [(k, v) for k, v in host if k != "parameters (host)"]
+            host.append(("parameters (host)", max(0, part - sum(swapped)) * p))
             count, size = NVME_PARAM_BUFFERS
-            host.append(("NVMe param swap buffers (host)", count * size * p))
+            host.append(("NVMe param swap buffers (host)", count * size * swap_element_bytes))
     return ModelStates(phase(dev), host, nvme, tpart)
 
 
