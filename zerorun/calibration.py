@@ -27,6 +27,7 @@ from .config import RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 from .memory import DEFAULT_CALIBRATION, Calibration, correction_key, estimate
+from .memory.priors import RUNTIME_OVERHEAD
 from .rundir import RunDir, write_atomic
 
 CACHE_NAME = "calibration.json"
@@ -96,10 +97,9 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
     baseline = records.get(baseline_key(cfg, hw))
     if baseline_current(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
-    overhead = records.get(process_probe.overhead_key(cfg, hw))
-    if baseline_current(overhead, env):
-        cal = dataclasses.replace(cal, cpu_runtime_overhead_bytes=int(overhead["overhead_bytes"]))
-    return cal
+    overheads = tuple((k, int(r["overhead_bytes"])) for k, r in sorted(records.items())
+                      if k.startswith(RUNTIME_OVERHEAD) and baseline_current(r, env))
+    return dataclasses.replace(cal, runtime_overheads=overheads)
 
 
 def baseline_key(cfg: RunConfig, hw: Hardware) -> str:

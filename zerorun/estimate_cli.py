@@ -72,12 +72,15 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      f"{_gib(cal.cuda_context_bytes)}" + (f" + NCCL {_gib(cal.nccl_bytes)}" if world.size > 1 else "") +
                      " (uncalibrated priors, docs/memory.md §5.2).")
     else:
+        from .memory.priors import runtime_overhead_key
+
+        measured = cal.runtime_overhead(runtime_overhead_key(cfg, hw, world.nproc_per_node))
         lines.append(f"capacity {cap} per rank = available host RAM / {world.nproc_per_node} ranks; CPU ranks keep "
                      f"everything in host RAM; the peak is their resident set: {_gib(cal.cpu_process_bytes)} process "
                      f"+ tensors + heap retention + runtime overhead ("
-                     + (f"{_gib(cal.cpu_runtime_overhead_bytes)}, measured here" if cal.cpu_runtime_overhead_bytes
-                        is not None else f"{_gib(cal.cpu_overhead_bytes)}, +{_gib(cal.cpu_zero_overhead_bytes)} at "
-                        "ZeRO >= 1: priors") + "; docs/memory.md §5.4).")
+                     + (f"{_gib(measured)} for the composed config, measured here" if measured is not None else
+                        f"{_gib(cal.cpu_overhead_bytes)}, +{_gib(cal.cpu_zero_overhead_bytes)} at ZeRO >= 1: priors")
+                     + "; docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config. at most: the bound the gate decides on "
                  "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits). adamw8bit peak: the same row with "

@@ -24,7 +24,6 @@ from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_worl
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 
-OVERHEAD = "runtime-overhead"  # calibration.json keys of measured runtime overheads
 OVERHEAD_TERM = "allocator and runtime overhead"
 MICRO = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, vocab_size=512)
 MICRO_SEQ, MICRO_BATCH, MICRO_ROWS, MICRO_STEPS = 32, 2, 16, 3
@@ -56,15 +55,10 @@ def threads_per_rank(cfg: RunConfig, hw: Hardware) -> int:
 
 
 def overhead_key(cfg: RunConfig, hw: Hardware) -> str:
-    """What the runtime overhead depends on: the code paths a rank runs, not the model's size."""
-    from .arch import model_code
+    """The key the gate looks the runtime overhead of ``cfg``'s kind up by (memory.priors.runtime_overhead_key)."""
+    from .memory.priors import runtime_overhead_key
 
-    off = cfg.offload.device.value if cfg.offload.device != OffloadDevice.nvme else "cpu"
-    parts = [OVERHEAD, hw.device_name or hw.accelerator, model_code(cfg.model), cfg.precision.dtype.value,
-             f"zero{cfg.zero.stage}", f"offload-{off}{'+params' if cfg.offload.params else ''}",
-             cfg.optimizer.name.value, cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
-             f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}", f"threads{threads_per_rank(cfg, hw)}"]
-    return "|".join(parts)
+    return runtime_overhead_key(cfg, hw, plan_world(cfg, hw, nodes=1).nproc_per_node)
 
 
 def write_micro_data(cfg: RunConfig, task: str, work: Path):

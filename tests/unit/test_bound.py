@@ -110,11 +110,16 @@ def test_a_measured_runtime_overhead_replaces_both_priors_for_its_kind_of_run_on
     stamp = {"environment": C.environment(), "boot": C.boot_id()}
     (tmp_path / C.CACHE_NAME).write_text(json.dumps({P.overhead_key(z2, hw): {"overhead_bytes": 77 << 20, **stamp}}))
 
+    cal = C.calibration_for(z2, hw)  # one calibration serves every config autofit or the table tries
+
     def overhead(cfg):
-        cal = C.calibration_for(cfg, hw)
         return estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal).components[P.OVERHEAD_TERM]
     assert overhead(z2) == 77 << 20
     assert overhead(z0) == M.DEFAULT_CALIBRATION.cpu_overhead_bytes  # not measured for ZeRO-0: the prior
+    (tmp_path / C.CACHE_NAME).write_text(json.dumps({P.overhead_key(z2, hw): {"overhead_bytes": 77 << 20,
+                                                                             **stamp, "boot": "an earlier boot"}}))
+    cal = C.calibration_for(z2, hw)
+    assert overhead(z2) == 2 * M.DEFAULT_CALIBRATION.cpu_zero_overhead_bytes  # measured in another boot: the prior
 
 
 @settings(max_examples=25, deadline=None)

@@ -44,10 +44,10 @@ class Calibration:
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
-    cpu_runtime_overhead_bytes: Optional[int] = None
-    """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of the same kind
-    of run (zerorun/process_probe.py); replaces both priors when present. It moved by 25-48 MiB between
-    machines with the same software (§5.4)."""
+    runtime_overheads: Tuple[Tuple[str, int], ...] = ()
+    """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of each kind of
+    run (zerorun/process_probe.py), by runtime_overhead_key; replaces both priors for that kind. It moved by
+    25-48 MiB between machines with the same software (§5.4)."""
     process_measured: bool = False
     """``cpu_process_bytes`` was measured on this machine (zerorun/process_probe.py), not the prior."""
     environment: str = ""
@@ -58,10 +58,32 @@ class Calibration:
     def correction(self, key: str) -> Optional[int]:
         return next((c for k, c in self.corrections if k == key), None)
 
+    def runtime_overhead(self, key: str) -> Optional[int]:
+        return next((c for k, c in self.runtime_overheads if k == key), None)
+
 
 DEFAULT_CALIBRATION = Calibration()
 OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
              "heap retention", "measured correction (this machine)")
+
+
+RUNTIME_OVERHEAD = "runtime-overhead"  # calibration.json keys of measured runtime overheads
+
+
+def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> str:
+    """What a CPU rank's runtime overhead depends on: the code paths it runs and how, not the model's size (the
+    model code, precision, ZeRO stage, offload (NVMe measured as CPU), optimizer, adapter, checkpointing,
+    allocator mode, threads per rank) on this device."""
+    from ..arch import model_code
+
+    off = OffloadDevice(cfg.offload.device)
+    off = OffloadDevice.cpu if off == OffloadDevice.nvme else off
+    return "|".join([RUNTIME_OVERHEAD, hw.device_name or hw.accelerator, model_code(cfg.model),
+                     Dtype(cfg.precision.dtype).value, f"zero{cfg.zero.stage}",
+                     f"offload-{off.value}{'+params' if cfg.offload.params else ''}", cfg.optimizer.name.value,
+                     cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
+                     f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}",
+                     f"threads{max(1, hw.cpu_cores // max(1, nproc_per_node))}"])
 
 
 def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -> str:
