@@ -198,6 +198,8 @@ def rescore(rows: List[Dict]) -> List[Dict]:
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
         ensure_baseline(cfg, hw)  # as a launch on this machine would: the measured process baseline, no correction
         cal = dataclasses.replace(calibration_for(cfg, hw), corrections=())
+        if r.get("by_point", {}).get("ready"):  # the run's own "ready" point: the baseline moves with the page cache
+            cal = dataclasses.replace(cal, cpu_process_bytes=r["by_point"]["ready"], process_measured=True)
         est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()
