@@ -163,6 +163,8 @@ def assert_model_states_match_estimate(summary):
              ("optimizer states", "optimizer_states")]
     checked = 0
     for est_key, meas_key in pairs:
+        if est_key == "parameters" and "NVMe param swap buffers (host)" in est:
+            continue  # swapped partitions live in the swap buffers (their own term); only the small ones outside
         want = est.get(est_key) or est.get(f"{est_key} (host)")  # offloaded state is counted on the host
         if want and measured[meas_key]:
             assert abs(measured[meas_key] - want) <= 0.01 * want + 64, (est_key, est, measured)
