@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
+from .config import OffloadDevice, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 
@@ -32,7 +32,8 @@ MICRO_SEQ, MICRO_BATCH, MICRO_ROWS, MICRO_STEPS = 32, 2, 16, 3
 def micro_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with a micro model of the same architecture on one rank: every code path a rank of ``cfg`` runs
     (precision, ZeRO stage, offload, optimizer, adapter, checkpointing), tensors of a few hundred KiB. NVMe
-    offload runs as CPU offload (its swap files need a real path and size); a pipeline as data parallel."""
+    offload runs as CPU offload (its swap files need a real path and size); a pipeline as a one-stage pipeline (the
+    same PipelineEngine and optimizer: a bf16 pipeline at ZeRO-0 steps with BF16_Optimizer, data parallel does not)."""
     m = cfg.model
     grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
     model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
@@ -46,7 +47,7 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     la = dataclasses.replace(cfg.launcher, nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1",
                              hostfile="", master_port=None)
     return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la,
-                               parallel=dataclasses.replace(cfg.parallel, mode=ParallelMode.dp, stages=1),
+                               parallel=dataclasses.replace(cfg.parallel, stages=1, micro_batches=0),
                                data=dataclasses.replace(cfg.data, seq_len=MICRO_SEQ), dry_run=False)
 
 

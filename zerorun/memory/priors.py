@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..config import Dtype, Family, OffloadDevice, Plan, RunConfig
+from ..config import Dtype, Family, OffloadDevice, ParallelMode, Plan, RunConfig
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 
@@ -82,6 +82,7 @@ def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> s
                      Dtype(cfg.precision.dtype).value, f"zero{cfg.zero.stage}",
                      f"offload-{off.value}{'+params' if cfg.offload.params else ''}", cfg.optimizer.name.value,
                      cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
+                     ParallelMode(cfg.parallel.mode).value,
                      f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}",
                      f"threads{max(1, hw.cpu_cores // max(1, nproc_per_node))}"])
 
