@@ -55,8 +55,9 @@ def boot_id() -> str:
         return "-"
 
 
-def baseline_current(record: Optional[Dict[str, Any]], env: str) -> bool:
-    """A stored process baseline applies: the same software, measured since this machine last booted."""
+def measured_this_boot(record: Optional[Dict[str, Any]], env: str) -> bool:
+    """A stored process baseline or runtime overhead applies: the same software, measured since this machine last
+    booted."""
     return bool(record) and record.get("environment") == env and record.get("boot") == boot_id()
 
 
@@ -95,10 +96,10 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
     if hw is None or hw.accelerator != "cpu":
         return cal
     baseline = records.get(baseline_key(cfg, hw))
-    if baseline_current(baseline, env):
+    if measured_this_boot(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
     overheads = tuple((k, int(r["overhead_bytes"])) for k, r in sorted(records.items())
-                      if k.startswith(RUNTIME_OVERHEAD) and baseline_current(r, env))
+                      if k.startswith(RUNTIME_OVERHEAD) and measured_this_boot(r, env))
     return dataclasses.replace(cal, runtime_overheads=overheads)
 
 
@@ -123,7 +124,7 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
         return
     key, okey = baseline_key(cfg, hw), process_probe.overhead_key(cfg, hw)
     stored = load(path)
-    if baseline_current(stored.get(key), env) and baseline_current(stored.get(okey), env):
+    if measured_this_boot(stored.get(key), env) and measured_this_boot(stored.get(okey), env):
         return
     log("measuring what a CPU rank holds beyond its tensors on this machine: a micro model of this kind of run "
         "(once per boot, software and kind) ...")
@@ -207,7 +208,7 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
                     ds_config=render(pcfg, plan), estimate=est.to_json(), prepared=prepared.to_json(), resume=None)
     lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=world.nproc_per_node,
                              accelerator=hw.accelerator, master_port=launcher.free_port(),
-                             threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node),
+                             threads_per_rank=hw.threads_per_rank(world.nproc_per_node),
                              mmap_threshold=mmap_threshold_bytes(pcfg.launcher.mmap_threshold_mib), bin_dir=launcher.default_bin_dir())
     argv, env = launcher.build_command(lp)
     log(f"calibrating on this machine ({hw.device_name or hw.accelerator}): {PROBE_STEPS} steps of "

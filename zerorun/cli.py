@@ -257,7 +257,7 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         launcher=la.name.value, run_dir=str(run_dir.path.resolve()), nproc_per_node=world.nproc_per_node,
         accelerator=world.accelerator, nnodes=la.nnodes, node_rank=la.node_rank, master_addr=la.master_addr,
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
-        threads_per_rank=max(1, hw.cpu_cores // world.nproc_per_node), mmap_threshold=mmap_threshold_bytes(la.mmap_threshold_mib),
+        threads_per_rank=hw.threads_per_rank(world.nproc_per_node), mmap_threshold=mmap_threshold_bytes(la.mmap_threshold_mib),
         expandable_segments=la.expandable_segments,
         bin_dir=launcher.default_bin_dir(),
         stop_timeout_s=la.stop_timeout_s, rdzv=la.rdzv.value, rdzv_id=la.rdzv_id or cfg.name,

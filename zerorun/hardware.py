@@ -38,6 +38,10 @@ class Hardware:
     def host_usable_bytes(self) -> int:
         return self.host_available_bytes or self.host_mem_bytes
 
+    def threads_per_rank(self, nproc_per_node: int) -> int:
+        """OMP/MKL threads each of ``nproc_per_node`` ranks gets (launcher.rank_env): the cores shared out."""
+        return max(1, self.cpu_cores // max(1, nproc_per_node))
+
     def describe(self) -> str:
         avail = (f" ({self.host_available_bytes / GIB:.1f} GiB available)"
                  if self.host_available_bytes and self.host_available_bytes < self.host_mem_bytes else "")

@@ -6,7 +6,7 @@ the tensors (code the kernels page in, ZeRO's start-up, allocator and Python boo
 the second was 25-48 MiB larger than on the development machine while the first differed by 13 MiB: every
 tiny model read 2-8% under with constants fitted elsewhere. So neither is a constant: before the first
 launch of a kind of run on this machine (model code, precision, ZeRO stage, offload, optimizer, adapter,
-checkpointing, allocator mode, threads), one rank (`python -m zerorun.train`, the real rank code) runs a
+checkpointing, parallel mode, allocator mode, threads: memory.priors.runtime_overhead_key), one rank (`python -m zerorun.train`, the real rank code) runs a
 micro model of the same kind for a few steps with its final evaluation and checkpoint (~10 s). Its "ready"
 point is the process baseline; its peak less everything the estimator counts for the micro model is the
 runtime overhead added to every model of that kind.
@@ -24,7 +24,6 @@ from .config import OffloadDevice, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 
-OVERHEAD_TERM = "allocator and runtime overhead"
 MICRO = dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, vocab_size=512)
 MICRO_SEQ, MICRO_BATCH, MICRO_ROWS, MICRO_STEPS = 32, 2, 16, 3
 
@@ -49,10 +48,6 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la,
                                parallel=dataclasses.replace(cfg.parallel, stages=1, micro_batches=0),
                                data=dataclasses.replace(cfg.data, seq_len=MICRO_SEQ), dry_run=False)
-
-
-def threads_per_rank(cfg: RunConfig, hw: Hardware) -> int:
-    return max(1, hw.cpu_cores // plan_world(cfg, hw, nodes=1).nproc_per_node)
 
 
 def overhead_key(cfg: RunConfig, hw: Hardware) -> str:
@@ -95,6 +90,7 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     from . import launcher
     from .ds_config import render
     from .memory import estimate
+    from .memory.priors import RUNTIME_TERM
     from .rundir import RunDir
 
     micro = micro_config(cfg)
@@ -105,7 +101,8 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     rd.write_inputs(config_yaml=OmegaConf.to_yaml(OmegaConf.structured(micro)), plan=plan.to_json(),
                     ds_config=render(micro, plan), estimate={}, prepared=prepared.to_json(), resume=None)
     port = launcher.free_port()
-    env = {**os.environ, **launcher.rank_env("cpu", threads_per_rank(cfg, hw),
+    threads = hw.threads_per_rank(plan_world(cfg, hw, nodes=1).nproc_per_node)  # the user's ranks', not the micro's
+    env = {**os.environ, **launcher.rank_env("cpu", threads,
                                              mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -120,6 +117,6 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     ready, peak = int(row["peak_rss_bytes_by_point"]["ready"]), int(row["peak_rss_bytes"])
     est = estimate(micro, plan, hw, cal=dataclasses.replace(cal, cpu_process_bytes=ready, process_measured=True,
                                                             corrections=()))
-    counted = est.per_rank_peak_bytes - est.components.get(OVERHEAD_TERM, 0)
+    counted = est.per_rank_peak_bytes - est.components.get(RUNTIME_TERM, 0)
     return {"ready_bytes": ready, "peak_bytes": peak, "counted_bytes": counted,
             "overhead_bytes": max(0, peak - counted), "by_point": row["peak_rss_bytes_by_point"]}

@@ -102,6 +102,7 @@ def test_a_measured_runtime_overhead_replaces_both_priors_for_its_kind_of_run_on
     from zerorun.config import make_plan, plan_world
     from zerorun.hardware import Hardware
     from zerorun.memory import estimate
+    from zerorun.memory.priors import RUNTIME_TERM
 
     monkeypatch.setenv("ZERORUN_CACHE", str(tmp_path))
     hw = Hardware("cpu", 0, 0, 24 * GIB, 1, 2, fp16_ok=False, device_name="some CPU")
@@ -113,7 +114,7 @@ def test_a_measured_runtime_overhead_replaces_both_priors_for_its_kind_of_run_on
     cal = C.calibration_for(z2, hw)  # one calibration serves every config autofit or the table tries
 
     def overhead(cfg):
-        return estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal).components[P.OVERHEAD_TERM]
+        return estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal).components[RUNTIME_TERM]
     assert overhead(z2) == 77 << 20
     assert overhead(z0) == M.DEFAULT_CALIBRATION.cpu_overhead_bytes  # not measured for ZeRO-0: the prior
     (tmp_path / C.CACHE_NAME).write_text(json.dumps({P.overhead_key(z2, hw): {"overhead_bytes": 77 << 20,

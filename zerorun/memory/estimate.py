@@ -24,7 +24,7 @@ from ..arch import lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
-from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key, runtime_overhead_key
+from .priors import DEFAULT_CALIBRATION, OVERHEADS, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
 from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
                      param_swap_element_bytes, phase, step_transient)
@@ -319,7 +319,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
         measured = cal.runtime_overhead(runtime_overhead_key(cfg, hw, world.nproc_per_node))
-        comps["allocator and runtime overhead"] = measured if measured is not None else \
+        comps[RUNTIME_TERM] = measured if measured is not None else \
             cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
         per_rank = sum(comps.values())
         capacity = hw.host_usable_bytes // max(1, world.nproc_per_node)

@@ -63,7 +63,9 @@ class Calibration:
 
 
 DEFAULT_CALIBRATION = Calibration()
-OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", "allocator and runtime overhead",
+RUNTIME_TERM = "allocator and runtime overhead"
+"""The CPU-rank term a micro rank measures (process_probe.py), or the two priors above."""
+OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", RUNTIME_TERM,
              "heap retention", "measured correction (this machine)")
 
 
@@ -84,7 +86,7 @@ def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> s
                      cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
                      ParallelMode(cfg.parallel.mode).value,
                      f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}",
-                     f"threads{max(1, hw.cpu_cores // max(1, nproc_per_node))}"])
+                     f"threads{hw.threads_per_rank(nproc_per_node)}"])
 
 
 def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -> str:
