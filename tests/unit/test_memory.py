@@ -143,6 +143,10 @@ def test_offload_moves_optimizer_to_host():
     assert nvme.nvme_bytes + 8 * on_host == 8 * (part * (4 + 8 + 4) + part * 2)
     assert nvme.host_components["NVMe param swap buffers (host)"] == 5 * 10**8 * 2
     assert "optimizer states (host)" not in nvme.host_components
+    # The first NVMe-swapped step builds Adam's states in ordinary host memory before swapping them out; with the
+    # states kept on the host (offload=cpu) DeepSpeedCPUAdam steps in place.
+    assert nvme.host_components["optimizer-step transient (host)"] == 8 * part
+    assert "optimizer-step transient (host)" not in z3.host_components
 
 
 def test_peak_is_max_over_phases_not_a_sum():

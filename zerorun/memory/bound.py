@@ -41,10 +41,6 @@ PRIORS = {  # (relative width, where nothing measured the term)
     "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
     "allocator margin": 1.0,    # 5-15% of the allocator peak (§5.2)
     "allocator and runtime overhead": 0.5,  # 35-80 MiB measured against 32-64 MiB counted (§5.4)
-    # ZeRO-3 NVMe parameter offload: the swap buffers are measured exactly on tiny models (953 MiB resident), but
-    # GPT-2 small fp32 on one rank held 520 MiB more than the point counts (held-out set 1795644510), not yet
-    # explained: the bound keeps the buffers' size again until it is.
-    "NVMe param swap buffers (host)": 1.0,
 }
 
 

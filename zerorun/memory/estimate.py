@@ -306,7 +306,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     alloc_peak = sum(phases[peak_phase].values())
     comps = OrderedDict(sorted(phases[peak_phase].items(), key=lambda kv: -kv[1]))
     sub = states.partition if cfg.zero.stage < 3 else min(states.partition, DS_SUB_GROUP_SIZE)  # sub-groups: ZeRO-3
-    host_step = host_step_bytes(plan, sub) if plan.offload_optimizer and world.accelerator == "cuda" else 0
+    host_step = host_step_bytes(cfg, plan, sub) if plan.offload_optimizer and world.accelerator == "cuda" else 0
     host_components = phase([*host_steady.items(), ("optimizer-step transient (host)", host_step),
                              ("process runtime", cal.cpu_process_bytes if world.accelerator == "cpu"
                               else cal.cuda_process_host_bytes)])
