@@ -12,7 +12,7 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
                           GPT2LMHeadModel, RobertaConfig, RobertaForSequenceClassification)
 
 from zerorun.config import TaskName
-from zerorun.pipeline import (CHECKPOINTABLE_LAYERS, SequentialPipe, build_pipeline_module, causal_lm_loss,
+from zerorun.pipeline import (SequentialPipe, checkpointable_layers, build_pipeline_module, causal_lm_loss,
                               export_state_dict, merge_state_dicts, pipeline_layers, sequence_classification_loss,
                               stage_state_dict)
 
@@ -184,7 +184,7 @@ def test_layer_lists_and_checkpointable_classes():
     assert last.forward_fn is not None and first.forward_fn is None
     bert = [spec.typename.__name__ for spec in pipeline_layers(tiny_bert())]
     assert bert == ["EncoderEmbeddingPipe", "EncoderLayerPipe", "EncoderLayerPipe", "BertClassifierHeadPipe"]
-    assert set(CHECKPOINTABLE_LAYERS) == {"GPT2BlockPipe", "EncoderLayerPipe"}
+    assert set(checkpointable_layers()) == {"GPT2BlockPipe", "EncoderLayerPipe"}
 
 
 def test_layers_wrap_the_models_own_parameters():

