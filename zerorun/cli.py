@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, faults, launcher, netcheck, platforms, speed, supervise
-from .config import (AdapterName, ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
+from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
 from .config.load import hydra_words_problem
@@ -81,13 +81,6 @@ def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
     from .models import pretrained_problems
 
     problems = check(cfg, world) + (pretrained_problems(cfg.model) if weights else [])
-    if cfg.adapter.name == AdapterName.lora and (cfg.zero.stage == 3 or cfg.parallel.mode.value == "pipeline"):
-        # Planned (zerorun-estimate, the gate) but not trained: ZeRO-3 gathers and exports peft's module names,
-        # and pipeline stages wrap the plain HF modules; neither has been run with adapters.
-        problems.append(UserError(f"adapter=lora with {'zero=stage3' if cfg.zero.stage == 3 else 'parallel=pipeline'}: "
-                                  "zerorun trains LoRA with ZeRO-0/1/2 and data parallelism (a frozen base is small "
-                                  "enough that ZeRO-2 rarely needs more).", "zero=stage2 (or zero=stage1) with "
-                                  "parallel=dp; zerorun-estimate plans the rest.", key="adapter.name", value="lora"))
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -83,6 +83,36 @@ def test_decoder_rules_refuse_what_cannot_run():
     assert "model.model_type" in problems("model.model_type=gemma")
 
 
+def test_lora_layouts_are_the_ones_zerorun_trains_and_the_rest_are_refused_with_a_fix():
+    """One rule (config/rules.py adapter_problems) for check, autofit and the estimate table: LoRA runs at
+    ZeRO-0/1/2 with data parallelism, so the table offers no ZeRO-3 row and autofit never proposes one."""
+    from zerorun.config import AdapterName, OffloadDevice, ParallelMode, layouts
+
+    from helpers import GPU8
+
+    lora = layouts(ParallelMode.dp, AdapterName.lora)
+    assert lora == [lay for lay in layouts(ParallelMode.dp) if lay.stage < 3] and lora
+    assert layouts(ParallelMode.pipeline, AdapterName.lora) == []
+    labels = [label for label, _ in M.table_configs(composed("+model=tiny-llama", "adapter=lora"))]
+    assert labels and not any(label.startswith("ZeRO-3") for label in labels)
+    for bad in (["zero=stage3"], ["zero=stage3", "offload=cpu"], ["parallel=pipeline"]):
+        [p] = [p for p in check(composed("+model=tiny-llama", "adapter=lora", *bad), GPU8) if p.key == "adapter.name"]
+        assert str(p).startswith("adapter=lora with ") and "zero=stage2" in p.fix, str(p)
+    assert not check(composed("+model=tiny-llama", "adapter=lora", "zero=stage2", "offload=cpu"), GPU8)
+    assert OffloadDevice.nvme not in {lay.device for lay in lora}
+    # autofit's candidates, where everything fits: a full fine-tune may go to ZeRO-3, LoRA may not
+    from zerorun.config import make_plan
+    from zerorun.hardware import GIB, Hardware
+    from zerorun.memory.gate import fitting_configs
+
+    big = Hardware("cuda", 8, 640 * GIB, 4096 * GIB, 1, 64)
+    stages = {}
+    for adapter in ("none", "lora"):
+        cfg = composed("+model=tiny-llama", f"adapter={adapter}", "hardware.gpus_per_node=8")
+        stages[adapter] = {f.cfg.zero.stage for f in fitting_configs(cfg, make_plan(cfg, GPU8), big)}
+    assert 3 in stages["none"] and stages["lora"] and max(stages["lora"]) < 3, stages
+
+
 def test_lora_trains_only_the_adapters_and_the_estimate_says_so():
     """Frozen base weights get no gradients, fp32 master copies or optimizer states; the adapters do."""
     from zerorun.config import make_plan

@@ -12,8 +12,8 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (offload_problems, optimizer_problems, pipeline_problems, resolve_task, shape_problems,
-                    task_problems)
+from .rules import (adapter_problems, offload_problems, optimizer_problems, pipeline_problems, resolve_task,
+                    shape_problems, task_problems)
 from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
@@ -37,6 +37,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     z, off, prec, tr, m = cfg.zero, cfg.offload, cfg.precision, cfg.trainer, cfg.model
 
     problems += offload_problems(z.stage, off.device, off.params)
+    problems += adapter_problems(cfg.adapter.name, z.stage, cfg.parallel.mode)
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
     problems += _monitor_problems(cfg.monitor.value)
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):

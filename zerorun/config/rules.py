@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .errors import UserError
-from .schema import Family, OffloadDevice, OptimizerName, ParallelMode, TaskName
+from .schema import AdapterName, Family, OffloadDevice, OptimizerName, ParallelMode, TaskName
 
 # ---------------------------------------------------------------------------------------------
 # Where model states live: ZeRO stage × offload device × parameter offload
@@ -72,14 +72,28 @@ def pipeline_problems(stage: int) -> List[UserError]:
         "zero=stage1 or zero=stage0, or parallel=dp.", key="zero.stage", value=stage)]
 
 
-def layouts(mode: ParallelMode = ParallelMode.dp) -> List[Layout]:
-    """Every layout zerorun offers for ``mode``, in table order: those the rules above accept, and for a
-    pipeline no offload (DeepSpeed allows it at ZeRO-1, but zerorun has not tested it)."""
+def adapter_problems(adapter: AdapterName, stage: int, mode: ParallelMode) -> List[UserError]:
+    """What zerorun trains with LoRA: ZeRO-0/1/2 with data parallelism. ZeRO-3 gathers and exports peft's module
+    names, and pipeline stages wrap the plain HF modules: neither has been run with adapters (a frozen base is
+    small enough that ZeRO-2 rarely needs more)."""
+    if AdapterName(adapter) != AdapterName.lora or (stage < 3 and ParallelMode(mode) == ParallelMode.dp):
+        return []
+    what = "zero=stage3" if stage == 3 else "parallel=pipeline"
+    return [UserError(f"adapter=lora with {what}: zerorun trains LoRA with ZeRO-0/1/2 and data parallelism (a "
+                      "frozen base is small enough that ZeRO-2 rarely needs more).",
+                      "zero=stage2 (or zero=stage1) with parallel=dp, with offload=cpu if the states still do not fit.",
+                      key="adapter.name", value="lora")]
+
+
+def layouts(mode: ParallelMode = ParallelMode.dp, adapter: AdapterName = AdapterName.none) -> List[Layout]:
+    """Every layout zerorun offers for ``mode`` (and ``adapter``), in table order: those the rules above accept,
+    and for a pipeline no offload (DeepSpeed allows it at ZeRO-1, but zerorun has not tested it)."""
     out = []
     for stage in range(4):
         for device in OffloadDevice:
             for params in (False, True):
-                if offload_problems(stage, device, params) or (params and stage < 3):
+                if offload_problems(stage, device, params) or (params and stage < 3) \
+                        or adapter_problems(adapter, stage, mode):
                     continue
                 if ParallelMode(mode) == ParallelMode.pipeline and (pipeline_problems(stage)
                                                                    or device != OffloadDevice.none):

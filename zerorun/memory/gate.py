@@ -170,7 +170,7 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
     may_8bit = cfg.optimizer.autofit_8bit and cfg.optimizer.name == OptimizerName.adamw \
         and cfg.parallel.mode == ParallelMode.dp and _has_bitsandbytes()
     out = []
-    for layout in layouts(cfg.parallel.mode):
+    for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         if layout.stage < z.stage:
             continue
         if user_device == OffloadDevice.none and layout.device == OffloadDevice.nvme:
@@ -394,7 +394,7 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
 def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
     """The estimate table's rows: ``cfg`` at every layout of the rule table for its parallel mode, labelled."""
     rows = []
-    for layout in layouts(cfg.parallel.mode):
+    for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         params = layout.params if layout.stage == 3 and layout.device != OffloadDevice.none else None
         z = dataclasses.replace(cfg.zero, stage=layout.stage)
         o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
