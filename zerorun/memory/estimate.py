@@ -234,9 +234,11 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     # head's weight grad comes only after this, when the logits grads are already freed (measured).
     phases["loss"] = phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
                             *bwd.buffers, *bwd.resident])
-    # Backward through the last layer (recomputed under checkpointing): its grads' working set.
-    layer_extra = [("activations", acts + (act.recompute_layer if act.checkpointing else 0)),
-                   ("activation-grad working set", act.working_set)]
+    # Backward through the last layer (recomputed under checkpointing): its grads' working set. A pipeline stage
+    # with no transformer layer (the embeddings alone) has neither (measured: tiny BERT's stage 0 read +17%).
+    blocks = act.num_layers > 0
+    layer_extra = [("activations", acts + (act.recompute_layer if act.checkpointing and blocks else 0)),
+                   ("activation-grad working set", act.working_set if blocks else 0)]
     phases["backward"] = phase([*bwd_states.items(), *layer_extra, *bwd.tied_pending, *bwd.in_flight,
                                 *bwd.buffers, *bwd.ipg, *bwd.resident])
     if bd.word_embedding:

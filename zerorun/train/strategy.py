@@ -83,7 +83,7 @@ class Pipeline:
         # The blocks are checkpointed by the PipelineModule (ds_config "pipeline" section).
         module = build_pipeline_module(model, self.plan.task, self.plan.pipeline_stages, self.cfg.parallel.partition,
                                        self.ds_config["pipeline"]["activation_checkpoint_interval"],
-                                       loss_fn_for(self.plan.task, model),
+                                       loss_fn_for(self.plan.task),
                                        # evaluation's last batch and the probe are smaller than a micro-batch
                                        dynamic_shape=True)
         if self.plan.pipeline_stages > 1:
