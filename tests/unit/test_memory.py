@@ -208,6 +208,11 @@ def test_bert_classification():
     assert e.phases["embedding grad"]["embedding grad transient"] == 30522 * 768 * 2  # untied: one V×h grad
     five = est("+model=bert-base-uncased", "task.num_labels=5")
     assert five.params == e.params + 3 * 768 + 3
+    # ZeRO-3 + CPU offload: param.grad, this rank's slice of reduce_scatter_coalesced's flat output and its fp64
+    # copy for the norm are alive at once (8 GPUs: a slice is V·h/8)
+    off = est("+model=bert-base-uncased", "zero=stage3", "precision=bf16", "offload=cpu")
+    part = -(-30522 * 768 // 8)
+    assert off.phases["embedding grad"]["embedding grad transient"] == 30522 * 768 * 2 + part * (2 + 8)
 
 
 def test_to_json_and_cpu_ranks():
