@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 import torch.nn as nn
 
-from .layers import CAUSAL_LM, SEQUENCE_CLASSIFICATION, TIED_EMBED_KEY, loss_fn_for  # noqa: F401 (re-export)
+from .layers import CAUSAL_LM, SEQUENCE_CLASSIFICATION, loss_fn_for
 
 PARTITION_METHODS = ("parameters", "uniform")
 
