@@ -17,12 +17,14 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# libaio for NVMe offload (DeepSpeed async_io). Needs root/apt; elsewhere install it yourself.
+# libaio for NVMe offload (DeepSpeed async_io); tcmalloc (CPU ranks' default allocator, launcher.allocator) and
+# jemalloc (its fallback, tested). Needs root/apt; elsewhere zerorun falls back to glibc and says how to install.
+SYSTEM_PKGS := libaio-dev libtcmalloc-minimal4 libjemalloc2
 system-deps:
-	@if [ ! -e /usr/include/libaio.h ]; then \
+	@if ! dpkg -s $(SYSTEM_PKGS) >/dev/null 2>&1; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev >/dev/null; \
-	  else echo "note: libaio-dev is not installed; NVMe offload tests will be refused (apt-get install libaio-dev)"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PKGS) >/dev/null; \
+	  else echo "note: not root or no apt-get: install $(SYSTEM_PKGS) yourself (NVMe offload is refused without libaio; CPU ranks run glibc's malloc, slower, without tcmalloc)"; fi; \
 	fi
 
 # The demo builds DeepSpeed's CPU ops too (~3 min once per venv), so `make test` after it reuses them.

@@ -167,7 +167,7 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
         point, bound = rank_figures(e, r["rank"])
         rows.append({"config": " ".join(overrides), "rank": r["rank"], "stage": stage,
                      "estimate": point, "mmap_mib": mode, "bound": bound,
-                     "tokens_per_s": summary.get("tokens_per_s"),
+                     "tokens_per_s": summary.get("tokens_per_s"), "allocator": summary.get("allocator"),
                      "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
                      "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
                      "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
@@ -192,7 +192,8 @@ def rescore(rows: List[Dict]) -> List[Dict]:
     hw, out = detect(), []
     for r in rows:
         mode = r.get("mmap_mib")  # the mode the run used (random sets: auto's choice), else BASE's
-        ovs = [*(BASE if mode is None else [*BASE[:-1], f"launcher.mmap_threshold_mib={mode}"]), *r["config"].split()]
+        ovs = [*(BASE if mode is None else [*BASE[:-1], f"launcher.mmap_threshold_mib={mode}"]), *r["config"].split(),
+               f"launcher.allocator={r.get('allocator') or 'glibc'}"]  # rows from before issue 33 ran glibc
         if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
             ovs.append("launcher.nproc_per_node=2")
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
@@ -212,6 +213,12 @@ def errors(rows: List[Dict]) -> List[float]:
     return [(r["estimate"] - r["measured"]) / r["measured"] for r in rows]
 
 
+def mode_of(row: Dict) -> str:
+    """The allocator and, for glibc, its mmap threshold: what decides what a rank keeps resident."""
+    alloc = row.get("allocator") or "glibc"
+    return f"glibc mmap {row.get('mmap_mib')} MiB" if alloc == "glibc" else alloc
+
+
 def summarize(rows: List[Dict]) -> List[str]:
     errors_ = errors(rows)
     under = [-e for e in errors_ if e < 0]
@@ -223,11 +230,11 @@ def summarize(rows: List[Dict]) -> List[str]:
         over = [(r["bound"] - r["measured"]) / r["measured"] for r in bounded]
         out.append(f"bound: above the measured peak on {sum(o >= 0 for o in over)} of {len(bounded)} ranks; "
                    f"median over-estimate {100 * statistics.median(over):.1f}%, lowest {100 * min(over):+.1f}%")
-    modes = sorted({str(r.get("mmap_mib")) for r in rows})
+    modes = sorted({mode_of(r) for r in rows})
     if len(modes) > 1:
         for m in modes:
-            sub = [r for r in rows if str(r.get("mmap_mib")) == m]
-            out.append(f"  mmap {m} MiB: " + summarize([dict(r, bound=None, mmap_mib=m) for r in sub])[0])
+            sub = [r for r in rows if mode_of(r) == m]
+            out.append(f"  {m}: " + summarize([dict(r, bound=None, mmap_mib=m, allocator="one") for r in sub])[0])
     return out
 
 
@@ -242,6 +249,7 @@ def main() -> None:
                     help="N configs drawn uniformly from the supported space (mmap mode: auto), not a fixed set")
     ap.add_argument("--pin-mmap", type=int, metavar="MIB",
                     help="--random: run every drawn config at this mmap threshold instead of auto's choice")
+    ap.add_argument("--allocator", help="launcher.allocator of every run (default: auto, as a user's run)")
     ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
     ap.add_argument("--models", help="--random: comma-separated model files to draw from (default: "
                                      f"{','.join(MODELS)}; {','.join(DECODERS)} add LoRA draws)")
@@ -268,6 +276,8 @@ def main() -> None:
     rows: List[Dict] = []
     print(f"{'config':92s} {'rank':>4s} {'estimate':>9s} {'measured':>9s} {'error':>7s}  peak phase     (MiB)")
     BASE[-1] = f"launcher.mmap_threshold_mib={args.mmap}"
+    if args.allocator:
+        BASE.insert(0, f"launcher.allocator={args.allocator}")
     if args.random:
         seed = args.seed if args.seed is not None else int(time.time())
         mode = "auto's" if args.pin_mmap is None else f"pinned at {args.pin_mmap} MiB"
@@ -294,7 +304,7 @@ def main() -> None:
             rows.append(r)
             err = (r["estimate"] - r["measured"]) / r["measured"]
             print(f"{r['config'][:92]:92s} {r['rank']:4d} {r['estimate'] / MIB:9.1f} {r['measured'] / MIB:9.1f} "
-                  f"{100 * err:+6.1f}%  {r['phase']:14s} mmap {r['mmap_mib']} "
+                  f"{100 * err:+6.1f}%  {r['phase']:14s} {mode_of(r)} "
                   + " ".join(f"{k}={v / MIB:.0f}" for k, v in r["by_point"].items())
                   + (f" | live init={r['live']['init'] / MIB:.0f} train={r['live']['train'] / MIB:.0f} "
                      f"vs allocator estimate {r['alloc_estimate'] / MIB:.0f}" if r["live"] else ""), flush=True)

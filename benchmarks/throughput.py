@@ -3,6 +3,8 @@ Trainer + DeepSpeed, on the same model, shapes, ZeRO stage and ranks.
 
     python benchmarks/throughput.py [--spec gpt2-4x256|tiny-gpt2|tiny-bert] [--zero 2] [--offload none|cpu]
                                     [--pairs 5] [--steps 20] [--warmup 3] [--systems zerorun,loop,hf]
+    python benchmarks/throughput.py --pairs 3 --steps 33 \
+        --systems zerorun,zerorun@glibc,zerorun@glibc-mmap0,zerorun@jemalloc,zerorun@mimalloc,loop,hf   # allocators
 
 The instrument is this script's own clock: every system prints (or, zerorun, appends to metrics.jsonl) one
 line per optimizer step, and the time each line appears is taken here; tokens/s = tokens of the steps after
@@ -98,15 +100,31 @@ def step_times(cmd: List[str], env: Dict[str, str], metrics: Path = None, timeou
     return seen
 
 
-def run(system: str, spec: Dict) -> Tuple[float, float]:
-    """Tokens/s of one run of ``system`` over the steps after the warm-up, and its start-up: seconds from the
-    command to the first step's line (zerorun: config, gate, data, run dir, launcher, ranks, model)."""
+VARIANTS = {
+    "tcmalloc": ["launcher.allocator=tcmalloc"], "jemalloc": ["launcher.allocator=jemalloc"],
+    "mimalloc": ["launcher.allocator=mimalloc"],
+    "glibc": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=1"],  # #25's default
+    "glibc-mmap0": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=0"],
+    "glibc-mmap32": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=32"],
+}
+"""``zerorun@NAME`` systems: zerorun with its CPU ranks' allocator (and glibc's mmap mode) pinned; ``zerorun`` alone
+runs its defaults."""
+
+
+def run(system: str, spec: Dict) -> Tuple[float, float, float]:
+    """Tokens/s of one run of ``system`` over the steps after the warm-up, its start-up: seconds from the
+    command to the first step's line (zerorun: config, gate, data, run dir, launcher, ranks, model), and for
+    zerorun the largest rank's peak RSS in MiB (the kernel's VmHWM, from summary.json; 0 for the baselines)."""
     with tempfile.TemporaryDirectory() as tmp:
-        if system == "zerorun":
+        if system.split("@")[0] == "zerorun":
             run_dir = Path(tmp) / "run"
-            seen = step_times([str(BIN / "zerorun"), *zerorun_args(spec, run_dir)], dict(os.environ),
+            extra = VARIANTS[system.split("@")[1]] if "@" in system else []
+            seen = step_times([str(BIN / "zerorun"), *zerorun_args(spec, run_dir), *extra], dict(os.environ),
                               metrics=run_dir / "metrics.jsonl")
+            summary = json.loads((run_dir / "summary.json").read_text())
+            rss = max(r["peak_rss_bytes"] for r in summary["peak_memory"]) / 2**20
         else:
+            rss = 0.0
             script = ROOT / "benchmarks" / "baselines" / ("handwritten_loop.py" if system == "loop" else
                                                           "hf_trainer_loop.py")
             port = str(29700 + os.getpid() % 200)
@@ -116,7 +134,7 @@ def run(system: str, spec: Dict) -> Tuple[float, float]:
     if w not in seen or n not in seen:
         raise RuntimeError(f"{system}: steps {w} and {n} not both seen ({sorted(seen)})")
     tokens = (n - w) * spec["micro_batch"] * spec["seq_len"] * 2
-    return tokens / (seen[n] - seen[w]), seen[1] - seen[0]
+    return tokens / (seen[n] - seen[w]), seen[1] - seen[0], rss
 
 
 def main() -> None:
@@ -128,7 +146,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="rounds; each runs every system once, in rotated order")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--systems", default="zerorun,loop,hf")
+    ap.add_argument("--systems", default="zerorun,loop,hf",
+                    help="zerorun (its defaults), zerorun@" + "|".join(VARIANTS) + ", loop, hf")
     ap.add_argument("--zerorun-args", default="", help="extra zerorun overrides (space-separated), to try a change")
     a = ap.parse_args()
     spec = {**SPECS[a.spec], "extra": a.zerorun_args.split(), "zero": a.zero, "offload": a.offload, "dtype": a.dtype, "steps": a.steps,
@@ -136,25 +155,29 @@ def main() -> None:
     systems = a.systems.split(",")
     results: Dict[str, List[float]] = {s: [] for s in systems}
     startup: Dict[str, List[float]] = {s: [] for s in systems}
+    peak: Dict[str, List[float]] = {s: [] for s in systems}
     print(f"{a.spec} ZeRO-{a.zero} offload {a.offload} {a.dtype}, 2 CPU ranks, micro-batch {spec['micro_batch']} × "
           f"seq {spec['seq_len']}, steps {a.warmup + 1}-{a.steps} timed", flush=True)
     for r in range(a.pairs):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
-            speed, start = run(s, spec)
+            speed, start, rss = run(s, spec)
             results[s].append(speed)
             startup[s].append(start)
+            peak[s].append(rss)
         print(f"round {r + 1}: " + ", ".join(f"{s} {results[s][-1]:,.0f}" for s in systems) + " tokens/s", flush=True)
     print()
-    print(f"{'system':10s} {'median tokens/s':>16s} {'min':>8s} {'max':>8s} {'start-up s (median)':>20s}")
+    print(f"{'system':20s} {'median tokens/s':>16s} {'min':>8s} {'max':>8s} {'start-up s (median)':>20s} "
+          f"{'peak RSS/rank MiB':>18s}")
     for s in systems:
         v = results[s]
-        print(f"{s:10s} {statistics.median(v):16,.0f} {min(v):8,.0f} {max(v):8,.0f} "
-              f"{statistics.median(startup[s]):20.1f}")
-    for other in [s for s in systems if s != "zerorun"]:
-        if "zerorun" in systems:
-            ratios = [z / o for z, o in zip(results["zerorun"], results[other])]
-            print(f"zerorun / {other}: median {statistics.median(ratios):.2f}x (rounds: "
+        rss = f"{min(peak[s]):,.0f}-{max(peak[s]):,.0f}" if max(peak[s]) else "-"
+        print(f"{s:20s} {statistics.median(v):16,.0f} {min(v):8,.0f} {max(v):8,.0f} "
+              f"{statistics.median(startup[s]):20.1f} {rss:>18s}")
+    for z in [s for s in systems if s.startswith("zerorun")]:
+        for other in [s for s in systems if s != z and (s in ("loop", "hf") or z == "zerorun")]:
+            ratios = [a / b for a, b in zip(results[z], results[other])]
+            print(f"{z} / {other}: median {statistics.median(ratios):.2f}x (rounds: "
                   + ", ".join(f"{x:.2f}" for x in ratios) + ")")
 
 

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from . import process_probe
+from . import allocators, process_probe
 from .config import RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
@@ -106,7 +106,7 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
 def baseline_key(cfg: RunConfig, hw: Hardware) -> str:
     from .arch import model_code
 
-    return f"{BASELINE}|{hw.device_name or hw.accelerator}|{model_code(cfg.model)}"
+    return f"{BASELINE}|{hw.device_name or hw.accelerator}|{model_code(cfg.model)}|{allocators.concrete(cfg.launcher).value}"
 
 
 def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
@@ -164,7 +164,8 @@ def _baseline_alone(cfg: RunConfig, log) -> Optional[int]:
     proc = None
     try:
         proc = subprocess.run([sys.executable, "-m", "zerorun.train.baseline", model_code(cfg.model)],
-                              env={**os.environ, **launcher.rank_env("cpu", 1)}, stdout=subprocess.PIPE,
+                              env={**os.environ, **launcher.rank_env("cpu", 1, **allocators.rank_env_args(cfg.launcher))},
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, timeout=600, start_new_session=True)
         return int(json.loads(proc.stdout.strip().splitlines()[-1])["baseline_bytes"])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError, KeyError) as e:
@@ -209,7 +210,8 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     lp = launcher.LaunchPlan(launcher="torchrun", run_dir=str(work), nproc_per_node=world.nproc_per_node,
                              accelerator=hw.accelerator, master_port=launcher.free_port(),
                              threads_per_rank=hw.threads_per_rank(world.nproc_per_node),
-                             mmap_threshold=mmap_threshold_bytes(pcfg.launcher.mmap_threshold_mib), bin_dir=launcher.default_bin_dir())
+                             mmap_threshold=mmap_threshold_bytes(pcfg.launcher.mmap_threshold_mib),
+                             **allocators.rank_env_args(pcfg.launcher), bin_dir=launcher.default_bin_dir())
     argv, env = launcher.build_command(lp)
     log(f"calibrating on this machine ({hw.device_name or hw.accelerator}): {PROBE_STEPS} steps of "
         f"{cfg.model.name} on {world.nproc_per_node} rank(s) ...")

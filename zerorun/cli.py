@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, faults, launcher, netcheck, platforms, speed, supervise
-from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
+from . import allocators, checkpoint, faults, launcher, netcheck, platforms, speed, supervise
+from .config import (Allocator, ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
 from .config.load import hydra_words_problem
@@ -96,13 +96,17 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
 
     plan_hw = resolve_hardware(cfg.hardware, hw)
     here = plan_hw.device_name == hw.device_name and plan_hw.accelerator == hw.accelerator
+    # Before the baseline probe: it measures the allocator the ranks will run.
+    cfg, alloc = allocators.with_allocator(cfg, world.accelerator)
+    if world.accelerator == "cpu" or alloc.name != Allocator.glibc:
+        say(f"CPU ranks' allocator: {alloc.why}" if world.accelerator == "cpu" else f"allocator: {alloc.why}")
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
     gate_world = plan_world(cfg, plan_hw)
     if cfg.launcher.mmap_threshold_mib is None:  # auto: the validated memory-saving setting
         cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world, prepared.longest), plan_hw, cal)
-        if world.accelerator == "cpu":
+        if world.accelerator == "cpu" and alloc.name == Allocator.glibc:
             say("CPU ranks: mmap threshold 1 MiB (freed activations go back to the OS; the validated figure; "
                 "launcher.mmap_threshold_mib=0 runs ~1.6x faster and holds more resident, with a wider bound)")
     if cfg.gate == GateMode.calibrate:
@@ -251,7 +255,8 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         accelerator=world.accelerator, nnodes=la.nnodes, node_rank=la.node_rank, master_addr=la.master_addr,
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
         threads_per_rank=hw.threads_per_rank(world.nproc_per_node), mmap_threshold=mmap_threshold_bytes(la.mmap_threshold_mib),
-        expandable_segments=la.expandable_segments,
+        expandable_segments=la.expandable_segments, allocator=Allocator(la.allocator).value,
+        allocator_library=allocators.library_for(Allocator(la.allocator)),
         bin_dir=launcher.default_bin_dir(),
         stop_timeout_s=la.stop_timeout_s, rdzv=la.rdzv.value, rdzv_id=la.rdzv_id or cfg.name,
         min_nnodes=la.min_nnodes or 0,

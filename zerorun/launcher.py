@@ -29,6 +29,8 @@ class LaunchPlan:
     threads_per_rank: int = 1
     mmap_threshold: int = CPU_MMAP_THRESHOLD
     expandable_segments: bool = True
+    allocator: str = "glibc"  # allocators.Resolved's name: what the ranks run
+    allocator_library: str = ""  # the library preloaded for it ('' for glibc or a user's own LD_PRELOAD)
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
     stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
     rdzv: str = "static"  # torchrun: "static" | "c10d"
@@ -70,8 +72,13 @@ def extensions_dir() -> str:
 
 
 def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD,
-             expandable_segments: bool = True) -> Dict[str, str]:
-    """The environment every rank process starts with (also the calibration probes', so they measure the same)."""
+             expandable_segments: bool = True, allocator: str = "glibc", allocator_library: str = ""
+             ) -> Dict[str, str]:
+    """The environment every rank process starts with (also the calibration probes', so they measure the same).
+    ``allocator``/``allocator_library``: allocators.resolve's choice (glibc's mmap settings apply to glibc only)."""
+    from . import allocators
+    from .config.schema import Allocator
+
     env = {
         "OMP_NUM_THREADS": str(threads_per_rank),
         "MKL_NUM_THREADS": str(threads_per_rank),
@@ -80,17 +87,24 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
     }
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         env["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+    resolved = allocators.Resolved(Allocator(allocator), allocator_library,
+                                   users_own=bool(os.environ.get("LD_PRELOAD")))
+    env.update(allocators.env_for(resolved))
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-        if mmap_threshold >= MMAP_OFF_BYTES:
-            # No mappings, no trimming: freed blocks (the logits too) are reused, not page-faulted anew.
-            env["MALLOC_MMAP_MAX_"] = "0"
-            env["MALLOC_TRIM_THRESHOLD_"] = str(MMAP_OFF_BYTES)
-        else:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)  # a fixed value also stops its dynamic growth
+        if resolved.name == Allocator.glibc:  # glibc's MALLOC_* variables mean nothing to a preloaded malloc
+            env.update(glibc_env(mmap_threshold))
     elif expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     return env
+
+
+def glibc_env(mmap_threshold: int) -> Dict[str, str]:
+    """glibc malloc's settings for launcher.mmap_threshold_mib."""
+    if mmap_threshold >= MMAP_OFF_BYTES:
+        # No mappings, no trimming: freed blocks (the logits too) are reused, not page-faulted anew.
+        return {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(MMAP_OFF_BYTES)}
+    return {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}  # a fixed value also stops its dynamic growth
 
 
 def node_hostfile_path(run_dir: str, node_rank: int) -> str:
@@ -108,7 +122,8 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     Ranks get only the run dir: no Hydra argv, and ``--no_local_rank`` so DeepSpeed does not
     append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
     """
-    env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold, plan.expandable_segments)
+    env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold, plan.expandable_segments,
+                   plan.allocator, plan.allocator_library)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
         if plan.hostfile:  # one launch for all nodes, over pdsh/ssh

@@ -87,7 +87,7 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     """Run the micro rank of ``cfg``'s kind in ``work``; its ready point, peak and runtime overhead (bytes)."""
     from omegaconf import OmegaConf
 
-    from . import launcher
+    from . import allocators, launcher
     from .ds_config import render
     from .memory import estimate
     from .memory.priors import RUNTIME_TERM
@@ -102,8 +102,8 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
                     ds_config=render(micro, plan), estimate={}, prepared=prepared.to_json(), resume=None)
     port = launcher.free_port()
     threads = hw.threads_per_rank(plan_world(cfg, hw, nodes=1).nproc_per_node)  # the user's ranks', not the micro's
-    env = {**os.environ, **launcher.rank_env("cpu", threads,
-                                             mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
+    env = {**os.environ, **launcher.rank_env("cpu", threads, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
+                                             **allocators.rank_env_args(cfg.launcher)),
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with open(work / "probe.log", "w") as out:

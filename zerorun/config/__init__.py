@@ -11,7 +11,7 @@ from .load import (compose, group_options, schema_problem, to_run_config, unknow
 from .plan import Buckets, Plan, World, bucket_sizes, data_parallel_size, global_batch, grad_accum_steps, \
     make_plan, plan_world, small_bucket_sizes
 from .rules import Layout, OptimizerImpl, default_task, layouts, offload_problems, params_offloaded, resolve_task
-from .schema import (AdapterConfig, AdapterName, DataConfig, DataFormat, Dtype, Family, GateMode, HardwareConfig, LauncherConfig, LauncherName,
+from .schema import (AdapterConfig, AdapterName, Allocator, DataConfig, DataFormat, Dtype, Family, GateMode, HardwareConfig, LauncherConfig, LauncherName,
                      Monitor, ModelConfig, OffloadConfig, OffloadDevice, OptimizerConfig, OptimizerName, ParallelConfig, ParallelMode, Partition,
                      PrecisionConfig, Rendezvous, RunConfig, Schedule, TaskConfig, TaskName, TrainerConfig, ZeroConfig,
                      register_schemas)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..allocators import concrete as allocator_of
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
@@ -364,6 +365,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         "activation_checkpointing": tr.activation_checkpointing, "grad_accum_steps": plan.grad_accum_steps,
         "global_batch_size": plan.global_batch_size, "data_parallel_size": max(1, plan.data_parallel_size),
         "ranks_per_node": world.nproc_per_node, "nodes": world.nnodes, "accelerator": world.accelerator,
+        "allocator": allocator_of(cfg.launcher, world.accelerator).value,
         "attention_kernel": act.kernel, "buckets": plan.buckets.to_json(), "overlap_comm": cfg.zero.overlap_comm,
     }
     return Estimate(components=comps, per_rank_peak_bytes=int(per_rank), device_capacity_bytes=int(capacity),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..config import Dtype, Family, OffloadDevice, ParallelMode, Plan, RunConfig
+from ..allocators import memory_mode
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 
@@ -85,7 +86,7 @@ def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> s
                      f"offload-{off.value}{'+params' if cfg.offload.params else ''}", cfg.optimizer.name.value,
                      cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
                      ParallelMode(cfg.parallel.mode).value,
-                     f"mmap{mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)}",
+                     memory_mode(cfg.launcher, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
                      f"threads{hw.threads_per_rank(nproc_per_node)}"])
 
 
@@ -104,6 +105,6 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
              "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
              "node": [plan.world.nproc_per_node, plan.pipeline_stages],
-             "optimizer": plan.optimizer.value, "mmap_threshold": mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
+             "optimizer": plan.optimizer.value, "mmap_threshold": memory_mode(cfg.launcher, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
              "environment": environment}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]

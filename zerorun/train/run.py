@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .. import faults
+from ..allocators import running as running_allocator
 from ..rundir import RunDir
 from ..telemetry import TRACK_MEMORY_ENV
 from .export import export
@@ -158,6 +159,7 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "non_pad_fraction": result.get("non_pad_fraction"),
         "world_size": trainer.world,
         "accelerator": trainer.accel.device_name(),
+        "allocator": running_allocator(),  # read from this rank's own mappings: what ran, whatever was asked
         "peak_memory": memory,
         "peak_memory_measures": measures,
         "estimated_components": estimate.get("components"),

@@ -1,0 +1,97 @@
+"""launcher.allocator: which malloc CPU ranks run, the fallback chain, a user's own LD_PRELOAD, the ranks' env."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zerorun import allocators, launcher
+from zerorun.config import Allocator, compose
+
+pytestmark = pytest.mark.unit
+
+LIBS = {Allocator.tcmalloc: "/opt/lib/libtcmalloc_minimal.so.4", Allocator.jemalloc: "/opt/lib/libjemalloc.so.2",
+        Allocator.mimalloc: "/opt/lib/libmimalloc.so.2"}
+
+
+def finder(*installed):
+    return lambda name: LIBS[name] if name in installed else ""
+
+
+def test_auto_takes_tcmalloc_where_it_is_installed():
+    r = allocators.resolve(Allocator.auto, {}, finder(Allocator.tcmalloc, Allocator.jemalloc))
+    assert (r.name, r.library) == (Allocator.tcmalloc, LIBS[Allocator.tcmalloc])
+    assert "fastest installed" in r.why
+
+
+def test_without_tcmalloc_auto_falls_back_to_jemalloc_and_says_how_to_install_tcmalloc():
+    r = allocators.resolve(Allocator.auto, {}, finder(Allocator.jemalloc))
+    assert (r.name, r.library) == (Allocator.jemalloc, LIBS[Allocator.jemalloc])
+    assert "tcmalloc is not installed" in r.why and "libtcmalloc-minimal4" in r.why
+
+
+def test_with_neither_auto_runs_glibc_and_says_so():
+    r = allocators.resolve(Allocator.auto, {}, finder(Allocator.mimalloc))  # mimalloc is never auto's pick
+    assert (r.name, r.library) == (Allocator.glibc, "")
+    assert r.why.startswith("glibc: tcmalloc is not installed")
+
+
+def test_an_explicit_choice_runs_when_installed_and_falls_back_when_not():
+    assert allocators.resolve(Allocator.mimalloc, {}, finder(Allocator.mimalloc, Allocator.tcmalloc)).name == \
+        Allocator.mimalloc
+    r = allocators.resolve(Allocator.jemalloc, {}, finder(Allocator.tcmalloc))
+    assert r.name == Allocator.tcmalloc and "jemalloc is not installed" in r.why
+
+
+def test_gpu_ranks_keep_glibc_unless_asked():
+    assert allocators.resolve(Allocator.auto, {}, finder(*LIBS), gpu_ranks=True).name == Allocator.glibc
+    assert allocators.resolve(Allocator.tcmalloc, {}, finder(*LIBS), gpu_ranks=True).name == Allocator.tcmalloc
+
+
+def test_a_users_own_ld_preload_wins_and_the_gate_plans_for_what_it_loads():
+    env = {"LD_PRELOAD": "/home/me/libjemalloc.so.2"}
+    r = allocators.resolve(Allocator.tcmalloc, env, finder(*LIBS))
+    assert (r.name, r.users_own) == (Allocator.jemalloc, True) and "your LD_PRELOAD" in r.why
+    assert allocators.resolve(Allocator.auto, {"LD_PRELOAD": "/x/libfoo.so"}, finder(*LIBS)).name == Allocator.glibc
+
+
+@given(choice=st.sampled_from(list(Allocator)), installed=st.sets(st.sampled_from(list(LIBS))),
+       gpu=st.booleans())
+def test_resolution_is_always_concrete_installed_and_one_line(choice, installed, gpu):
+    r = allocators.resolve(choice, {}, finder(*installed), gpu_ranks=gpu)
+    assert r.name != Allocator.auto
+    assert r.name == Allocator.glibc or r.name in installed
+    assert r.library == LIBS.get(r.name, "") and "\n" not in r.why
+    if choice in installed:  # what you asked for runs when it is there
+        assert r.name == choice
+
+
+def test_rank_env_preloads_the_allocator_and_sets_glibc_knobs_only_for_glibc(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    tc = launcher.rank_env("cpu", 1, allocator="tcmalloc", allocator_library=LIBS[Allocator.tcmalloc])
+    assert tc["LD_PRELOAD"] == LIBS[Allocator.tcmalloc] and not any(k.startswith("MALLOC_") for k in tc)
+    je = launcher.rank_env("cpu", 1, allocator="jemalloc", allocator_library=LIBS[Allocator.jemalloc])
+    assert je["MALLOC_CONF"] == allocators.JEMALLOC_CONF
+    gl = launcher.rank_env("cpu", 1, 1 << 20)
+    assert "LD_PRELOAD" not in gl and gl["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+    monkeypatch.setenv("MALLOC_CONF", "narenas:1")  # yours wins, as PYTORCH_CUDA_ALLOC_CONF does
+    assert "MALLOC_CONF" not in launcher.rank_env("cpu", 1, allocator="jemalloc", allocator_library="/x.so")
+    monkeypatch.setenv("LD_PRELOAD", "/home/me/libtcmalloc.so")
+    assert "LD_PRELOAD" not in launcher.rank_env("cpu", 1, allocator="tcmalloc", allocator_library="/x.so")
+
+
+def test_the_search_dirs_can_be_replaced(tmp_path, monkeypatch):
+    (tmp_path / "libjemalloc.so.2").write_bytes(b"")
+    assert allocators.find_library(Allocator.jemalloc, [str(tmp_path)]) == str(tmp_path / "libjemalloc.so.2")
+    assert allocators.find_library(Allocator.tcmalloc, [str(tmp_path)]) == ""
+    monkeypatch.setenv(allocators.SEARCH_ENV, str(tmp_path))
+    assert allocators.search_dirs() == [str(tmp_path)]
+
+
+def test_the_allocator_key_separates_measurements_of_different_allocators():
+    from zerorun.hardware import Hardware
+    from zerorun.memory.priors import runtime_overhead_key
+
+    hw = Hardware(accelerator="cpu", gpus_per_node=0, gpu_mem_bytes=0, host_mem_bytes=1 << 34, cpu_cores=2)
+    keys = {runtime_overhead_key(compose([f"launcher.allocator={a}", "launcher.mmap_threshold_mib=1"]), hw, 2)
+            for a in ("tcmalloc", "jemalloc", "glibc")}
+    assert len(keys) == 3
