@@ -163,15 +163,18 @@ def library_for(name: Allocator, environ: Mapping[str, str] = os.environ) -> str
 
 
 def concrete(launcher_cfg, accelerator: str = "cpu") -> Allocator:
-    """launcher.allocator as the ranks will run it: auto resolved on this node where a caller has not yet."""
-    if Allocator(launcher_cfg.allocator) != Allocator.auto:
-        return Allocator(launcher_cfg.allocator)
-    return resolve(Allocator.auto, os.environ, gpu_ranks=accelerator != "cpu").name
+    """launcher.allocator as the estimates see it (pure): the launch and zerorun-estimate resolve auto on the node
+    first (with_allocator); an unresolved auto plans as glibc, what runs where no other allocator is installed."""
+    name = Allocator(launcher_cfg.allocator)
+    return Allocator.glibc if name == Allocator.auto else name
 
 
 def rank_env_args(launcher_cfg, accelerator: str = "cpu") -> Dict[str, str]:
-    """launcher.rank_env's allocator arguments for a config (the probes run what the ranks will)."""
-    name = concrete(launcher_cfg, accelerator)
+    """launcher.rank_env's allocator arguments for a config (the probes run what the ranks will): auto resolved
+    on this node."""
+    name = Allocator(launcher_cfg.allocator)
+    if name == Allocator.auto:
+        name = resolve(name, os.environ, gpu_ranks=accelerator != "cpu").name
     return {"allocator": name.value, "allocator_library": library_for(name)}
 
 
@@ -179,3 +182,25 @@ def memory_mode(launcher_cfg, mmap_threshold: int) -> str:
     """What a CPU rank's allocator does with freed memory, for the keys measurements are stored under."""
     name = concrete(launcher_cfg)
     return f"mmap{mmap_threshold}" if name == Allocator.glibc else name.value
+
+
+def small_block_threshold(launcher_cfg, accelerator: str = "cpu") -> int:
+    """The size below which the RSS estimate counts freed activations as heap retention: glibc's mmap threshold;
+    a preloaded allocator's size classes keep small blocks as glibc's heap does below 1 MiB, and what it keeps of
+    larger ones is its page heap, a term of its own (memory.priors.Calibration.page_heap_retention)."""
+    from .config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
+
+    if concrete(launcher_cfg, accelerator) in PRELOADED:
+        return CPU_MMAP_THRESHOLD
+    return mmap_threshold_bytes(launcher_cfg.mmap_threshold_mib)
+
+
+def heap_threshold_bytes(launcher_cfg, accelerator: str = "cpu") -> int:
+    """From what size a freed block goes back to the OS on a rank, as the estimates and the speed model see it:
+    glibc's mmap threshold; none for a preloaded allocator (tcmalloc keeps freed spans for reuse, jemalloc with
+    purging off and mimalloc too), so every activation counts as heap (MMAP_OFF_BYTES)."""
+    from .config.rules import MMAP_OFF_BYTES, mmap_threshold_bytes
+
+    if concrete(launcher_cfg, accelerator) in PRELOADED:
+        return MMAP_OFF_BYTES
+    return mmap_threshold_bytes(launcher_cfg.mmap_threshold_mib)

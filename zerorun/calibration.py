@@ -283,6 +283,7 @@ def main(argv=None) -> int:
                       f"  ({r['device']}, {r['when']})")
             return 0
         hw = detect()
+        cfg, _ = allocators.with_allocator(cfg, hw.accelerator)  # the allocator zerorun's ranks would run here
         problems = check(probe_config(cfg, hw), plan_world(probe_config(cfg, hw), hw))
         if problems:
             raise ConfigError(problems)

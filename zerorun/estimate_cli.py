@@ -129,6 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "hardware.gpus_per_node=N hardware.gpu_mem_gib=G hardware.nodes=N hardware.host_mem_gib=G")
         return EXIT_OK
     from . import memory as M
+    from .allocators import with_allocator
     from .config import ConfigError, GateMode, UserError, check, compose, make_plan, plan_world
     from .hardware import cpu_cores, detect, host_memory_bytes, needs_detection, resolve_hardware
 
@@ -140,6 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         t2 = time.perf_counter()
         hw = resolve_hardware(cfg.hardware, detected, host_mem_bytes=host_memory_bytes(), cpu_cores=cpu_cores())
         world = plan_world(cfg, hw)
+        cfg, _ = with_allocator(cfg, world.accelerator)  # what CPU ranks would run here (zerorun resolves it alike)
         # zerorun's checks, minus its looks at this machine's disk: a plan may be for another cluster.
         problems = check(cfg, world, libaio=True, writable=lambda path: None)
         if problems:

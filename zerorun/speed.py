@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from .config import Dtype, OffloadDevice, Plan, RunConfig, TaskName
-from .config.rules import MMAP_OFF_BYTES, OptimizerImpl, mmap_threshold_bytes
+from .allocators import heap_threshold_bytes
+from .config.rules import MMAP_OFF_BYTES, OptimizerImpl
 from .memory.activations import DTYPE_BYTES, activations
 from .memory.buffers import ZERO0_ALLREDUCE_ELEMENTS
 from .memory.params import ParamBreakdown, param_breakdown
@@ -180,7 +181,7 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     rate = prof.matmul_flops[dtype.value] * prof.efficiency
     if prof.half_speed_tokens:
         rate *= tokens / (tokens + prof.half_speed_tokens)
-    threshold = mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)
+    threshold = heap_threshold_bytes(cfg.launcher, plan.world.accelerator)
     full = activations(m, micro, seq, dtype, plan.world.accelerator, False, task=plan.task,
                        num_labels=cfg.task.num_labels, mmap_threshold=threshold)
     traffic = (full.outside_layers + L * full.per_layer + full.logits_loss) / stages

@@ -20,6 +20,7 @@ import math
 from typing import Dict, Mapping
 
 from ..config.rules import CPU_MMAP_THRESHOLD
+from ..config.schema import Allocator
 from .priors import OVERHEADS
 
 COUNTED = 0.04
@@ -32,10 +33,15 @@ CORRECTION_SPREAD = 0.03
 """A calibrated config: identical runs differ by up to ~3% of the whole figure with the heap untrimmed."""
 HEAP_VALIDATED = 0.5
 """heap retention at the 1 MiB threshold: measured 1.4-2.5 bytes per heap byte against the 2.0 counted."""
-HEAP_UNTRIMMED = 0.75
-"""mmap off / 32 MiB: the resident heap beyond live tensors depends on the order blocks are freed and reused.
-Measured on shapes never fitted: up to 37% of the peak above the point estimate (GPT-2 small, ZeRO-3, fp32,
-checkpointing: 4,550 MiB against 2,877 MiB), i.e. ~0.75 of the bytes the allocator holds at the peak."""
+HEAP_UNTRIMMED = 1.0
+"""mmap off / 32 MiB, and allocators no held-out set has validated (jemalloc, mimalloc): the resident heap beyond
+live tensors depends on the order blocks are freed and reused. Measured on shapes never fitted: up to 0.87 of
+the bytes counted at the peak above the point estimate (GPT-2 small, ZeRO-3, fp32, checkpointing, mmap off:
+4,605 MiB against 2,692; 0.75 let that rank through, issue 33): the heap may hold a second copy of them."""
+HEAP_TCMALLOC = 0.20
+"""tcmalloc: how much more its page heap may keep than the 15% of the counted tensors the point adds. tcmalloc
+releases its free pages to the OS once they pass a quarter of its heap while the heap grows (gperftools'
+forced coalescing), so free spans stay under ~1/3 of the bytes in use: 0.33 - 0.15 (measured up to 0.31)."""
 PRIORS = {  # (relative width, where nothing measured the term)
     "CUDA context": 1.7,        # 0.5 GiB prior; 287 MB lazy to 1343 MB on older CUDA (§5.2)
     "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
@@ -45,7 +51,8 @@ PRIORS = {  # (relative width, where nothing measured the term)
 
 
 def term_widths(components: Mapping[str, int], *, accelerator: str, process_measured: bool,
-                mmap_threshold: int = CPU_MMAP_THRESHOLD, calibrated: bool = False) -> Dict[str, int]:
+                mmap_threshold: int = CPU_MMAP_THRESHOLD, calibrated: bool = False,
+                allocator: Allocator = Allocator.glibc) -> Dict[str, int]:
     """Each uncertain part of the figure, in bytes on the high side: the counted tensors together, then every
     other term on its own."""
     counted = sum(v for k, v in components.items() if k not in OVERHEADS)
@@ -57,13 +64,22 @@ def term_widths(components: Mapping[str, int], *, accelerator: str, process_meas
         widths["process runtime"] = int((MEASURED_PROCESS if process_measured else PRIOR_PROCESS)
                                         * components["process runtime"])
     if accelerator == "cpu":
-        if mmap_threshold > CPU_MMAP_THRESHOLD:  # every activation's block stays on the heap
-            widths["heap (mmap off or 32 MiB)"] = int(HEAP_UNTRIMMED * counted)
-        else:
-            widths["heap retention"] = int(HEAP_VALIDATED * components.get("heap retention", 0))
+        widths.update(heap_width(Allocator(allocator), mmap_threshold, counted, components.get("heap retention", 0)))
     if calibrated:  # the correction measured this config here: what is left is run-to-run spread
         widths = {"run to run (calibrated)": int(CORRECTION_SPREAD * sum(components.values()))}
     return {k: v for k, v in widths.items() if v > 0}
+
+
+def heap_width(allocator: Allocator, mmap_threshold: int, counted: int, heap: int) -> Dict[str, int]:
+    """What a CPU rank's allocator may keep resident beyond the heap term, by allocator: validated ones by their
+    measured spread, the others (jemalloc, mimalloc, glibc with mmap off or at 32 MiB) by a whole second copy
+    of the tensors."""
+    if allocator == Allocator.tcmalloc:
+        return {"heap retention (tcmalloc)": int(HEAP_TCMALLOC * counted)}
+    if allocator == Allocator.glibc and mmap_threshold <= CPU_MMAP_THRESHOLD:
+        return {"heap retention": int(HEAP_VALIDATED * heap)}
+    what = "mmap off or 32 MiB" if allocator == Allocator.glibc else allocator.value
+    return {f"heap ({what}, not validated)": int(HEAP_UNTRIMMED * counted)}
 
 
 def upper_bound(point: int, widths: Mapping[str, int]) -> int:

@@ -16,16 +16,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
-from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..allocators import PRELOADED, small_block_threshold
 from ..allocators import concrete as allocator_of
-from ..config.rules import mmap_threshold_bytes
+from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
-from .priors import DEFAULT_CALIBRATION, OVERHEADS, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
+from .priors import DEFAULT_CALIBRATION, OVERHEADS, PAGE_HEAP_TERM, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
 from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
                      param_swap_element_bytes, phase, step_transient)
@@ -133,7 +133,7 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     lora = (lora_targets(cfg.model, cfg.adapter), cfg.adapter.r, cfg.adapter.dropout) if bd.lora else None
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
-                      mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib), lora=lora)
+                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora)
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
@@ -318,6 +318,10 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
         comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, plan, bd)
+        if allocator_of(cfg.launcher, world.accelerator) in PRELOADED:
+            # Freed blocks above 1 MiB stay in the allocator's page heap for reuse (what makes it fast); what
+            # the step's differently sized transients leave there grows with what the allocator holds (§5.4).
+            comps[PAGE_HEAP_TERM] = int(cal.page_heap_retention * alloc_peak)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
@@ -348,7 +352,8 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         host_node = (max(sum(host_steady.values()), host_init) + cal.cuda_process_host_bytes) * world.nproc_per_node
     host_cap = hw.host_usable_bytes
     widths = term_widths(comps, accelerator=world.accelerator, process_measured=cal.process_measured,
-                         mmap_threshold=mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib),
+                         mmap_threshold=small_block_threshold(cfg.launcher, world.accelerator),
+                         allocator=allocator_of(cfg.launcher, world.accelerator),
                          calibrated=correction is not None)
     bound = upper_bound(per_rank, widths)
     fits_device = capacity > 0 and bound <= capacity
