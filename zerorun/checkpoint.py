@@ -119,6 +119,43 @@ def refuse_without_space(cfg, plan, params: int, run_dir) -> None:
         raise UserError(f"not enough disk space for the checkpoints: {problem}", key="trainer.checkpoint_dir")
 
 
+NOT_ARCHITECTURE = ("name", "from_config_json", "name_or_path", "pretrained", "dropout")
+"""model.* fields that leave the parameters' names and shapes as they are; every other one is the architecture."""
+
+
+def identity(cfg) -> Dict[str, Any]:
+    """What a checkpoint can be loaded into: the model's architecture, the adapter and the task (with its label
+    count). Recorded in each checkpoint's COMPLETE (``run``); resume.py compares it before launch."""
+    import dataclasses
+
+    from .config.rules import resolve_task
+
+    m, a = cfg.model, cfg.adapter
+    task = resolve_task(cfg.task.name, m.family).value
+    return {"model": m.name,
+            "architecture": {f.name: getattr(m, f.name).value if hasattr(getattr(m, f.name), "value")
+                             else getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in NOT_ARCHITECTURE},
+            "adapter": a.name.value if a.name.value == "none" else f"{a.name.value} r={a.r} on "
+                       f"{','.join(a.target_modules) or 'the default modules'}",
+            "task": task if task == "causal_lm" else f"{task} with {cfg.task.num_labels} labels"}
+
+
+def identity_mismatch(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
+    """Which of architecture, adapter and task differ between a checkpoint and this run, described; None: none."""
+    differ = [k for k in ("architecture", "adapter", "task") if k in saved and saved[k] != now[k]]
+    if not differ:
+        return None
+    was, arch = saved.get("architecture", {}), now["architecture"]
+    fields = [f"model.{k} {was.get(k)} vs {v}" for k, v in arch.items() if k in was and was[k] != v]
+    if "architecture" in differ and fields:
+        differ[0] = f"architecture ({', '.join(fields[:4])})"
+
+    def describe(i: Dict[str, Any]) -> str:
+        return (f"{i.get('model', '?')} ({i.get('architecture', {}).get('family', '?')}, {i.get('task', '?')}, "
+                f"adapter {i.get('adapter', '?')})")
+    return f"{' and '.join(differ)} differ{'s' if len(differ) == 1 else ''}: the checkpoint is {describe(saved)}, this run is {describe(now)}"
+
+
 def marker(root: Path, tag: str) -> Dict[str, Any]:
     try:
         return json.loads((root / tag / COMPLETE).read_text())

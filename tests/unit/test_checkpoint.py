@@ -68,3 +68,38 @@ def test_one_checkpoint_is_counted_as_the_disk_holds_it_and_a_small_disk_is_refu
     short = checkpoint.space_problem(tmp_path / "ckpt", need, tmp_path / "export", export, lambda p: need)
     assert short.startswith(f"{tmp_path / 'ckpt'}: 0.01 GiB free, 0.02 GiB needed for one checkpoint and the export")
     assert "trainer.checkpoint_dir" in short
+
+
+def test_identity_names_what_differs_and_passes_the_same_model():
+    gpt2, bert = checkpoint.identity(composed()), checkpoint.identity(composed("+model=tiny-bert"))
+    assert checkpoint.identity_mismatch(gpt2, checkpoint.identity(composed("trainer.lr=1e-3", "model.dropout=0"))) is None
+    why = checkpoint.identity_mismatch(bert, gpt2)
+    assert "tiny-bert" in why and "tiny-gpt2" in why and "architecture" in why and "task" in why
+    deeper = checkpoint.identity_mismatch(checkpoint.identity(composed("model.num_layers=4")), gpt2)
+    assert "model.num_layers 4 vs 2" in deeper and "task" not in deeper
+    lora = checkpoint.identity(composed("adapter=lora", "zero=stage2"))
+    assert "adapter" in checkpoint.identity_mismatch(lora, gpt2)
+    assert checkpoint.identity_mismatch({}, gpt2) is None  # a checkpoint of an older zerorun: nothing recorded
+
+
+def test_a_checkpoint_of_another_model_is_refused_from_its_marker_or_its_run_dirs_config(tmp_path):
+    import json
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from zerorun.config import UserError
+    from zerorun.resume import refuse_another_model
+
+    cfg, bert = composed("trainer.resume=true"), composed("+model=tiny-bert")
+    marked = tmp_path / "elsewhere"
+    make_tag(marked, 2)
+    (marked / "global_step2" / checkpoint.COMPLETE).write_text(json.dumps({"step": 2, "run": checkpoint.identity(bert)}))
+    with pytest.raises(UserError, match="trainer.resume: .* another model.*tiny-bert"):
+        refuse_another_model(cfg, marked, "global_step2", marked)
+    run = tmp_path / "bert_run"
+    make_tag(run / "checkpoints", 2)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(bert)))
+    with pytest.raises(UserError, match=r"\+model=tiny-bert"):
+        refuse_another_model(cfg, run / "checkpoints", "global_step2", run)
+    refuse_another_model(bert, run / "checkpoints", "global_step2", run)  # its own model resumes

@@ -232,7 +232,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
-        client_state = {"step": step, "consumed": self.sampler.consumed}
+        client_state = {"step": step, "consumed": self.sampler.consumed, "run": checkpoint.identity(self.cfg)}
         root = self.run_dir.checkpoints_for(self.cfg)
         try:
             return self._save(root, step, client_state)
