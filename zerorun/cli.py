@@ -188,7 +188,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
     plan = make_plan(cfg, world, prepared.longest)
-    checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir)
+    checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir, resume)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "
         f"{world.size} rank(s) via {cfg.launcher.name.value}")

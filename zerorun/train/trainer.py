@@ -237,9 +237,8 @@ class Trainer:
         try:
             return self._save(root, step, client_state)
         except Exception as e:  # noqa: BLE001 (only a full disk is turned into something else)
-            # A peer that hit the full disk left its record before leaving: this rank's broken collective is that.
-            peer = not faults.is_disk_full(e, root) and any(
-                r.get("kind") == "disk_full" for r in faults.read_all(self.run_dir.path))
+            # A peer that hit the full disk leaves its record before leaving: this rank's broken collective is that.
+            peer = not faults.is_disk_full(e, root) and faults.await_record(self.run_dir.path, "disk_full")
             if not (peer or faults.is_disk_full(e, root)):
                 raise
             raise faults.DiskFull(str(root), step, checkpoint.latest_tag(root) or "", str(root / checkpoint.tag_for(step)),
