@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, faults, launcher, netcheck, platforms, speed, supervise
+from . import checkpoint, faults, launcher, netcheck, platforms, quiet, speed, supervise
 from .config import (ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
@@ -69,6 +69,7 @@ class Outcome:
 
 def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     """The whole pipeline for one config; never raises for what a user caused."""
+    quiet.quiet_libraries(bool(raw.get("verbose", False)))
     try:
         return _launch(raw, RunDir(run_dir))
     except UserError as e:
@@ -214,6 +215,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         Path(launcher.node_hostfile_path(lp.run_dir, lp.node_rank)).write_text(
             launcher.node_hostfile(lp.nnodes, lp.nproc_per_node))
     argv, env = launcher.build_command(lp)
+    argv = quiet.launcher_argv(argv, cfg.verbose)
     line = launcher.shell_line(argv, env)
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .. import checkpoint, faults
+from ..quiet import LIBRARY_LOG, library_stdout, quiet_libraries
 from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
@@ -44,7 +45,8 @@ class Trainer:
         # not torch's 30 minutes (the launcher also stops the group when one rank exits).
         from datetime import timedelta
 
-        deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
+        with library_stdout(self.cfg.verbose):  # "DeepSpeed ... shm_comm_op built successfully", once per rank
+            deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # Who writes the run dir's metrics, summary and checkpoint markers: rank 0, and with a run dir per
@@ -67,6 +69,7 @@ class Trainer:
         from ..models import build_model
 
         cfg = self.cfg
+        quiet_libraries(cfg.verbose, self.run_dir.path / LIBRARY_LOG if self.writes_run_dir else None)
         seed_everything(cfg.seed)  # identical initial weights on every rank
         # Every model is built whole and DeepSpeed partitions it. transformers' zero.Init path
         # (HfDeepSpeedConfig) left weights it initialises itself (random init, and the new classifier
