@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast system-deps install ops gpu-validate
+.PHONY: demo test test-fast test-explore system-deps install ops gpu-validate
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +42,11 @@ test: system-deps $(VENV)/.installed ops
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit tests
+
+# The property tests (Hypothesis) with new random examples each run; `make test` replays fixed ones.
+test-explore: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -m unit \
+		$$(grep -l hypothesis tests/unit/*.py)
 
 # On a machine with NVIDIA GPUs: the memory matrix at OOM level (reserved peak; context + NCCL + reserved from the
 # driver's mem_get_info) against the gate, written to benchmarks/results/ (commit it: the priors become facts).

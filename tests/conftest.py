@@ -5,9 +5,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import os
+
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
+
+# `make test` draws the same examples on every run and every machine (derandomize: a seed from each test's name;
+# no example database carried between runs), so a pass or a failure is the code's, never the draw's.
+# `make test-explore` (HYPOTHESIS_PROFILE=explore) draws new ones, to look for bugs; a failure it finds prints
+# its seed (@seed / --hypothesis-seed replays it), and the example becomes a fixed test.
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 TIERS = ("unit", "integration", "e2e")
 

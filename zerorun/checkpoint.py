@@ -83,40 +83,103 @@ def save(engine, root: Path, step: int, client_state: Dict[str, Any], *, rng_sta
     return str(root / tag)
 
 
+def tags_held(max_steps: int, save_every: int, keep_last: int, start: int = 0, existing: int = 0) -> Tuple[int, int]:
+    """(the most checkpoints on disk at once, those left when the export is written) for a run from step ``start``
+    that finds ``existing`` complete ones (a resume): a save completes before retention deletes the oldest, so
+    keep_last + 1 at once when the run saves that often."""
+    def saves_up_to(step: int) -> int:
+        return step // save_every if save_every else 0
+
+    new = saves_up_to(max_steps) - saves_up_to(start) + (not save_every or max_steps % save_every != 0)
+    if max_steps <= start:
+        return existing, existing
+    return max(existing + 1, min(existing + new, keep_last + 1)), min(existing + new, keep_last)
+
+
 def space_problem(root: Path, need: int, export_root: Path, export_need: int,
-                  free: Callable[[str], int]) -> Optional[str]:
-    """Why one more checkpoint (and the export, when it lands on the same disk) would not fit, or None.
-    ``free(path)``: free bytes on the filesystem holding path (hardware.free_disk_bytes)."""
+                  free: Callable[[str], int], tags: Tuple[int, int] = (1, 1), existing: int = 0) -> Optional[str]:
+    """Why the checkpoints this run keeps (and the export, when it lands on the same disk) would not fit, or None.
+    ``need``: one checkpoint's bytes; ``tags``: ``tags_held``; ``existing``: complete ones already on that disk (a
+    resume: their bytes are not free any more). ``free(path)``: free bytes on the filesystem holding path
+    (hardware.free_disk_bytes)."""
     def device(p: Path) -> int:
         while not p.exists():
             p = p.parent
         return p.stat().st_dev
 
-    places = [(root, need, "trainer.checkpoint_dir", "one checkpoint")]
+    def counted(n: int) -> str:
+        return "one checkpoint" if n == 1 else f"{n} checkpoints (trainer.keep_last={tags[1]}" + \
+            (", and one more while a save completes)" if n > tags[1] else ")")
+
+    places = [(root, (tags[0] - existing) * need, "trainer.checkpoint_dir", counted(tags[0]))]
     if export_need:
         if device(export_root) == device(root):
-            places = [(root, need + export_need, "trainer.checkpoint_dir", "one checkpoint and the export")]
+            places = [places[0], (root, (tags[1] - existing) * need + export_need, "trainer.checkpoint_dir",
+                                  counted(tags[1]) + " and the export")]
+            places = [max(places, key=lambda p: p[1])]
         else:
             places.append((export_root, export_need, "trainer.export_dir", "the export"))
     gib = 2**30
     for path, bytes_needed, key, what in places:
         have = free(str(path))
         if have < bytes_needed:
+            fewer = ", or a smaller trainer.keep_last" if "keep_last" in what else ""
             return (f"{path}: {have / gib:.2f} GiB free, {bytes_needed / gib:.2f} GiB needed for {what}. Fix: free "
-                    f"space there, or point {key} at a larger disk.")
+                    f"space there, or point {key} at a larger disk{fewer}.")
     return None
 
 
-def refuse_without_space(cfg, plan, params: int, run_dir) -> None:
-    """Refuse (exit 2) a run whose checkpoint (and export) would not fit where they go."""
+def refuse_without_space(cfg, plan, params: int, run_dir, resume: Optional[Dict[str, Any]] = None) -> None:
+    """Refuse (exit 2) a run whose checkpoints (as many as it keeps) and export would not fit where they go."""
     from . import hardware
     from .config import UserError
     from .memory import checkpoint_bytes, export_bytes
 
-    problem = space_problem(run_dir.checkpoints_for(cfg), checkpoint_bytes(cfg, plan, params),
-                            run_dir.export_for(cfg), export_bytes(cfg, params), hardware.free_disk_bytes)
+    tr, root = cfg.trainer, run_dir.checkpoints_for(cfg)
+    start = int(marker(Path(resume["checkpoint_dir"]), resume["tag"]).get("step", 0)) if resume else 0
+    existing = len(complete_tags(root))  # a resume's own (a fresh run's were refused or deleted by overwrite)
+    problem = space_problem(root, checkpoint_bytes(cfg, plan, params), run_dir.export_for(cfg),
+                            export_bytes(cfg, params), hardware.free_disk_bytes,
+                            tags_held(tr.max_steps, tr.save_every, tr.keep_last, start, existing), existing)
     if problem:
         raise UserError(f"not enough disk space for the checkpoints: {problem}", key="trainer.checkpoint_dir")
+
+
+NOT_ARCHITECTURE = ("name", "from_config_json", "name_or_path", "pretrained", "dropout")
+"""model.* fields that leave the parameters' names and shapes as they are; every other one is the architecture."""
+
+
+def identity(cfg) -> Dict[str, Any]:
+    """What a checkpoint can be loaded into: the model's architecture, the adapter and the task (with its label
+    count). Recorded in each checkpoint's COMPLETE (``run``); resume.py compares it before launch."""
+    import dataclasses
+
+    from .config.rules import resolve_task
+
+    m, a = cfg.model, cfg.adapter
+    task = resolve_task(cfg.task.name, m.family).value
+    return {"model": m.name,
+            "architecture": {f.name: getattr(m, f.name).value if hasattr(getattr(m, f.name), "value")
+                             else getattr(m, f.name) for f in dataclasses.fields(m) if f.name not in NOT_ARCHITECTURE},
+            "adapter": a.name.value if a.name.value == "none" else f"{a.name.value} r={a.r} on "
+                       f"{','.join(a.target_modules) or 'the default modules'}",
+            "task": task if task == "causal_lm" else f"{task} with {cfg.task.num_labels} labels"}
+
+
+def identity_mismatch(saved: Dict[str, Any], now: Dict[str, Any]) -> Optional[str]:
+    """Which of architecture, adapter and task differ between a checkpoint and this run, described; None: none."""
+    differ = [k for k in ("architecture", "adapter", "task") if k in saved and saved[k] != now[k]]
+    if not differ:
+        return None
+    was, arch = saved.get("architecture", {}), now["architecture"]
+    fields = [f"model.{k} {was.get(k)} vs {v}" for k, v in arch.items() if k in was and was[k] != v]
+    if "architecture" in differ and fields:
+        differ[0] = f"architecture ({', '.join(fields[:4])})"
+
+    def describe(i: Dict[str, Any]) -> str:
+        return (f"{i.get('model', '?')} ({i.get('architecture', {}).get('family', '?')}, {i.get('task', '?')}, "
+                f"adapter {i.get('adapter', '?')})")
+    return f"{' and '.join(differ)} differ{'s' if len(differ) == 1 else ''}: the checkpoint is {describe(saved)}, this run is {describe(now)}"
 
 
 def marker(root: Path, tag: str) -> Dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from . import allocators, checkpoint, faults, launcher, netcheck, platforms, speed, supervise
+from . import allocators, checkpoint, faults, launcher, netcheck, platforms, quiet, speed, supervise
 from .config import (Allocator, ConfigError, DataError, GateMode, Monitor, OffloadDevice, Plan, Rendezvous, RunConfig,
                      UserError, World, check, compose, make_plan, plan_world, register_schemas, to_run_config,
                      unknown_group_choices, unknown_override_keys)
@@ -69,6 +69,7 @@ class Outcome:
 
 def launch(raw: DictConfig, run_dir: Path) -> Outcome:
     """The whole pipeline for one config; never raises for what a user caused."""
+    quiet.quiet_libraries(bool(raw.get("verbose", False)))
     try:
         return _launch(raw, RunDir(run_dir))
     except UserError as e:
@@ -99,16 +100,15 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
     # Before the baseline probe: it measures the allocator the ranks will run.
     cfg, alloc = allocators.with_allocator(cfg, world.accelerator)
     if world.accelerator == "cpu" or alloc.name != Allocator.glibc:
-        say(f"CPU ranks' allocator: {alloc.why}" if world.accelerator == "cpu" else f"allocator: {alloc.why}")
+        glibc_mmap = world.accelerator == "cpu" and alloc.name == Allocator.glibc and cfg.launcher.mmap_threshold_mib is None
+        say(("CPU ranks' allocator: " if world.accelerator == "cpu" else "allocator: ") + alloc.why
+            + ("; mmap threshold 1 MiB (freed activations go back to the OS)" if glibc_mmap else ""))
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
     gate_world = plan_world(cfg, plan_hw)
     if cfg.launcher.mmap_threshold_mib is None:  # auto: the validated memory-saving setting
         cfg = resolve_mmap_threshold(cfg, make_plan(cfg, gate_world, prepared.longest), plan_hw, cal)
-        if world.accelerator == "cpu" and alloc.name == Allocator.glibc:
-            say("CPU ranks: mmap threshold 1 MiB (freed activations go back to the OS; the validated figure; "
-                "launcher.mmap_threshold_mib=0 runs ~1.6x faster and holds more resident, with a wider bound)")
     if cfg.gate == GateMode.calibrate:
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
@@ -192,7 +192,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         # Resolved here so config.yaml and ds_config.json name the same directory.
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=run_dir.default_nvme_path))
     plan = make_plan(cfg, world, prepared.longest)
-    checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir)
+    checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir, resume)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "
         f"{world.size} rank(s) via {cfg.launcher.name.value}")
@@ -218,6 +218,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
         Path(launcher.node_hostfile_path(lp.run_dir, lp.node_rank)).write_text(
             launcher.node_hostfile(lp.nnodes, lp.nproc_per_node))
     argv, env = launcher.build_command(lp)
+    argv = quiet.launcher_argv(argv, cfg.verbose)
     line = launcher.shell_line(argv, env)
     run_dir.write_command(line)
     say(f"run dir: {run_dir.path}")

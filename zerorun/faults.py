@@ -125,6 +125,18 @@ def read_all(run_dir: Path) -> List[Dict[str, Any]]:
     return sorted(out, key=lambda r: r.get("rank", 0))
 
 
+def await_record(run_dir: Path, kind: str, timeout_s: float = 10.0, poll_s: float = 0.1) -> bool:
+    """Whether some rank leaves a ``kind`` record within ``timeout_s``: a rank whose collective broke because a peer
+    failed learns why (the peer writes its record as it leaves, which can be after this rank's error)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if any(r.get("kind") == kind for r in read_all(run_dir)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def clear(run_dir: Path) -> None:
     """Before an attempt: no record or stop request from the last one."""
     d = Path(run_dir) / FAULTS_DIR

@@ -69,10 +69,13 @@ def parse(text: str, path: str = "hostfile") -> Tuple[Dict[str, int], List[UserE
 
 def problems(path: str, nnodes: int) -> List[UserError]:
     """Every problem with the hostfile at ``path`` for a job of ``nnodes`` nodes."""
+    from .config.paths import file_problem
+
+    why = file_problem(path)
+    if why:
+        return [UserError(f"launcher.hostfile={path}: {why}.", "the path of a file with 'HOST slots=N' lines.",
+                          key=KEY, value=path)]
     p = Path(path)
-    if not p.is_file():
-        return [UserError(f"launcher.hostfile={path} does not exist.", "the path of a file with 'HOST slots=N' "
-                          "lines.", key=KEY, value=path)]
     hosts, out = parse(p.read_text(errors="replace"), path)
     if not out and nnodes > len(hosts):
         out.append(UserError(f"launcher.nnodes={nnodes} but {path} lists {len(hosts)} host(s).",

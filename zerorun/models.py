@@ -64,6 +64,7 @@ def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels:
             raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
     # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
     model.config.loss_type = "ForCausalLM" if task == TaskName.causal_lm else "ForSequenceClassification"
+    model.loss_type = model.config.loss_type  # what loss_function reads (from the class name: None for GPT2LMHeadModel)
     return model
 
 

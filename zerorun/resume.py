@@ -50,8 +50,9 @@ def find(cfg: RunConfig, world: World, run_dir: RunDir, say: Callable[[str], Non
             "starting from step 0")
         return cfg, None
     root, tag = found
-    say(f"resuming from {root / tag}")
     source = root.parent if root.name == "checkpoints" else root
+    refuse_another_model(cfg, root, tag, source)
+    say(f"resuming from {root / tag}")
     changes = supervise.recorded_changes(source)
     if changes:
         cfg = supervise.apply_changes(cfg, changes)
@@ -61,6 +62,24 @@ def find(cfg: RunConfig, world: World, run_dir: RunDir, say: Callable[[str], Non
                 run_dir.append_recovery({**event, "run_dir": str(source)})
     resume = {"checkpoint_dir": str(root.resolve()), "tag": tag}
     return cfg, for_this_world(cfg, world, root, tag, resume, run_dir, say)
+
+
+def refuse_another_model(cfg: RunConfig, root: Path, tag: str, source: Path) -> None:
+    """A checkpoint of another model (architecture, adapter or task) is refused before launch, naming both; what
+    it is comes from its COMPLETE marker, else from the config.yaml of the run dir that saved it."""
+    saved = checkpoint.marker(root, tag).get("run")
+    if saved is None and RunDir(source).file("config.yaml").is_file():
+        try:
+            saved = checkpoint.identity(RunDir(source).read_config())
+        except Exception:  # noqa: BLE001 (a config of an older zerorun: nothing to compare)
+            saved = None
+    why = checkpoint.identity_mismatch(saved or {}, checkpoint.identity(cfg))
+    if why:
+        key = "trainer.resume_from" if cfg.trainer.resume_from else "trainer.resume"
+        raise UserError(f"{key}: {root / tag} is a checkpoint of another model, {why}.",
+                        f"resume with the model it was saved with (+model={(saved or {}).get('model', '...')}), "
+                        f"resume from a run of {cfg.model.name}, or drop {key} to start over.", key=key,
+                        value=cfg.trainer.resume_from or True)
 
 
 def guard_earlier_checkpoints(cfg: RunConfig, run_dir: RunDir, say: Callable[[str], None]) -> None:

@@ -148,7 +148,13 @@ def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None], got:
     if rc == 0 and not completed:
         # The deepspeed CLI can exit 0 when a rank died without a trace; success is the summary.
         say("the launcher exited 0 but no rank wrote summary.json: treating the run as failed.")
-    return Ended(rc=rc, completed=completed, records=faults.read_all(run_dir.path),
+    records = faults.read_all(run_dir.path)
+    if rc == faults.EXIT_DISK_FULL and not any(r.get("kind") == "disk_full" for r in records):
+        # The ranks said it with their exit code, and the full disk held the run dir too (no room for a record).
+        root = run_dir.checkpoints_for(launch.cfg)
+        records.append({"kind": "disk_full", "rank": None, "path": str(root), "latest": checkpoint.latest_tag(root),
+                        "step": max(steps) if steps else "?"})
+    return Ended(rc=rc, completed=completed, records=records,
                  last_step=max(steps) if steps else 0, signalled=got[0] if got else None)
 
 

@@ -232,36 +232,45 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(tmp_path, cache_dir, baseline
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoint_resumes(tmp_path, cache_dir):
-    """A real ENOSPC: checkpoints go to a 40 MiB tmpfs that holds two of this run's 15 MB checkpoints but not a
-    third (keep_last=2 deletes the oldest only after the new save is complete). The resumed run meets a tokenized
-    cache truncated the way a killed copy leaves it, and rebuilds it with one line."""
+    """A real ENOSPC with the whole run dir on a small tmpfs (the preflight counts the 3 checkpoints this run holds
+    at once, so the disk passes it): before step 6's save, rank 1 fills the disk to 2 MiB free; the save fails
+    part-way, the run dir itself is full, so the fault record is written once the partial save is gone, and the
+    peer whose collective broke waits for it: exit 74, the disk-full line, no traceback. The resumed run meets a
+    tokenized cache truncated the way a killed copy leaves it, and rebuilds it with one line."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
+    from zerorun.train.interrupts import FAULT_SAVE_FILL_ENV, FILLER
+
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)  # the session's process baseline (and tokenized data, if made yet)
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
     try:
-        args = [*RUN, f"trainer.checkpoint_dir={small}"]
-        run = tmp_path / "run"
-        proc = run_zerorun(args, run, cache)
+        run = small / "run"
+        ckpts = run / "checkpoints"
+        proc = run_zerorun(RUN, run, cache, env_extra={FAULT_SAVE_FILL_ENV: "1:6:2048"})
         assert proc.returncode == 74, proc.stdout[-3000:]
-        line = f"disk full at {small} while saving step 6; the newest complete checkpoint is step 4"
+        line = f"disk full at {ckpts} while saving step 6; the newest complete checkpoint is step 4"
         assert line in proc.stdout, proc.stdout[-3000:]
         launcher_lines = [s for s in proc.stdout.splitlines() if s.startswith("zerorun:")]
-        assert any(line in s for s in launcher_lines) and "Traceback" not in proc.stdout, proc.stdout[-3000:]
-        assert checkpoint.latest_tag(small) == "global_step4" and checkpoint.damage(small, "global_step4") is None
-        assert not (small / "global_step6").exists()  # the partial save is removed: it only held space
+        assert any(line in s for s in launcher_lines), proc.stdout[-3000:]
+        assert "Traceback" not in proc.stdout and "training failed" not in proc.stdout, proc.stdout[-3000:]
+        assert checkpoint.latest_tag(ckpts) == "global_step4" and checkpoint.damage(ckpts, "global_step4") is None
+        assert not (ckpts / "global_step6").exists()  # the partial save is removed: it only held space
 
-        subprocess.run(["mount", "-o", "remount,size=200m", str(small)], check=True)  # the user frees space
+        (ckpts / FILLER).unlink()  # the user frees space
         for npy in (cache / "data").glob("*/train.npy"):  # and a killed copy truncated the tokenized data
             with open(npy, "r+b") as f:
                 f.truncate(npy.stat().st_size // 2)
-        resumed = run_zerorun([*args, "trainer.resume=true"], run, cache)
+        resumed = run_zerorun([*RUN, "trainer.resume=true"], run, cache)
         assert resumed.returncode == 0, resumed.stdout[-3000:]
         assert "the tokenized-data cache does not match its manifest" in resumed.stdout, resumed.stdout[-3000:]
         assert "train.npy is" in resumed.stdout and "rebuilding it" in resumed.stdout
         assert summary(run)["resumed_from_step"] == 4 and [m["step"] for m in read_metrics(run)] == list(range(1, 9))
+
+        crowded = run_zerorun(RUN, small / "second", cache)  # 64 MiB less the first run's two
+        assert crowded.returncode == 2 and "not enough disk space" in crowded.stdout, crowded.stdout[-3000:]
+        assert "3 checkpoints (trainer.keep_last=2, and one more while a save completes)" in crowded.stdout
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)

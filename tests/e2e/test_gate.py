@@ -1,5 +1,6 @@
 """The memory gate in front of every launch: refuse, autofit (global batch kept), and sweeps."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,18 @@ def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path
     assert {c["key"] for c in est["gate"]["changes"]} == {c.key for c in fit.changes}
     assert est["per_rank_bound_bytes"] <= est["device_capacity_bytes"] < est["gate"]["original_bound_bytes"]
     # The step-time prediction for the launched plan (here 2 CPU ranks) is recorded, and is the run's own
-    # speed within a factor of 3 (this machine's noise is ±40%; the model's error on CPU ranks ~20%).
+    # speed: the model's error on CPU ranks is ~20% (docs/speed.md) and a step varies by up to ±40% on this 2-core
+    # machine, so the median timed step is within 1.2 × 1.4 ≈ 1.7× of the prediction; 1.8× fails a model that is
+    # off by a factor of two (the raw-matmul model was, docs/speed.md §2). Other work on the machine can only slow
+    # the ranks, by up to the load per core (seen: load 6.2 on 2 cores beside this test gave 4.5× slower).
     predicted = est["predicted_step"]
     assert predicted["step_s"] == pytest.approx(sum(predicted["terms_s"].values()), rel=1e-3)
-    measured = [m["tokens_per_s"] for m in read_metrics(run_dir)[1:]]
-    assert 1 / 3 < predicted["tokens_per_s"] / (sum(measured) / len(measured)) < 3, (predicted, measured)
+    measured = sorted(m["tokens_per_s"] for m in read_metrics(run_dir)[1:])
+    ratio = predicted["tokens_per_s"] / measured[len(measured) // 2]
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    print(f"\npredicted {predicted['tokens_per_s']:.0f} tokens/s, measured {measured} (ratio {ratio:.2f}, "
+          f"load per core {busy:.1f})")
+    assert 1 / 1.8 < ratio < 1.8 * busy, (predicted, measured, busy)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["estimated_peak_bytes"] == est["per_rank_peak_bytes"]
     assert len(read_metrics(run_dir)) == 3

@@ -22,6 +22,12 @@ def test_gpu_run_reports_the_device_peak_against_the_estimate(tmp_path, cache_di
     assert dev["reserved_peak"] >= dev["allocated_peak"] > 0 and dev["device_peak"] > dev["reserved_peak"]
     [cmp] = summary["memory_vs_estimate"]
     assert cmp["measure"].startswith("device peak") and cmp["error"] is not None
+    # The gate's contract: the device peak is within the bound it printed ("at most"), uncalibrated too.
+    assert cmp["within_bound"] is True and cmp["measured_bytes"] <= cmp["bound_bytes"], cmp
+    # This tiny job's device peak is mostly what lives outside the allocator, whose priors docs/memory.md §5.2 gives
+    # with their measured spread (CUDA context 287-1343 MB against a 0.5 GiB prior): an estimate outside
+    # -60%..+100% of the measured figure is a prior (or a measure) that is wrong, not that spread.
+    assert -0.6 <= cmp["error"] <= 1.0, cmp
     print(f"\nGPU prior: estimated {cmp['estimated_bytes'] / 2**30:.3f} GiB, measured {cmp['measured_bytes'] / 2**30:.3f}"
           f" GiB ({100 * cmp['error']:+.1f}%): allocated {dev['allocated_peak'] / 2**30:.3f}, reserved "
           f"{dev['reserved_peak'] / 2**30:.3f}, outside the allocator {dev['outside_allocator'] / 2**30:.3f} GiB")

@@ -23,18 +23,25 @@ def adamw(zero2_reference):
 
 
 @pytest.fixture(scope="module")
-def eight_bit_runs():
-    return {}
+def eight_bit_run(tmp_path_factory, cache_dir):
+    """The uninterrupted adamw8bit run at a ZeRO stage, made by whichever test asks first (once a module): each
+    test runs alone, in any order, with -k, or under xdist."""
+    runs = {}
+
+    def run_at(stage):
+        if stage not in runs:
+            run = tmp_path_factory.mktemp("adamw8bit") / f"z{stage}"
+            proc = run_zerorun([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit"], run, cache_dir)
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            runs[stage] = run
+        return runs[stage]
+    return run_at
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(tmp_path, cache_dir, adamw, eight_bit_runs,
-                                                                     stage):
-    run = tmp_path / f"z{stage}"
-    proc = run_zerorun([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit"], run, cache_dir)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(adamw, eight_bit_run, stage):
+    run = eight_bit_run(stage)
     got = read_metrics(run)
-    eight_bit_runs[stage] = got
     assert got[-1]["loss"] < got[0]["loss"] - 0.5
     # The same data and steps as AdamW; the 8-bit states move the losses by well under 1%.
     assert [m["data_fingerprint"] for m in got] == [m["data_fingerprint"] for m in adamw]
@@ -50,9 +57,8 @@ def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(tmp_path, c
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_runs, stage):
-    if stage not in eight_bit_runs:
-        pytest.skip(f"needs the ZeRO-{stage} run of the test above")
+def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_run, stage):
+    want = read_metrics(eight_bit_run(stage))
     run = tmp_path / "resumed"
     # Rank 1 is killed after step 5; zerorun restarts the ranks from the step-4 checkpoint.
     proc = run_zerorun([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit", "trainer.export=false",
@@ -60,5 +66,5 @@ def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_ru
                        env_extra={"ZERORUN_FAULT_KILL": "1:5"})
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert summary(run)["resumed_from_step"] == 4
-    got, want = read_metrics(run), eight_bit_runs[stage]
+    got = read_metrics(run)
     assert [(m["step"], m["loss"]) for m in got] == [(m["step"], m["loss"]) for m in want]  # bit-identical

@@ -2,6 +2,7 @@
 platform environment, data files and run dirs. Every one must end the same way: exit 2, one error line that names
 the key, variable or path, "nothing was launched", no traceback, and nothing written where the run would go."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +80,22 @@ PATHS = [
     ("weights-missing", ["model.pretrained=true", "model.name_or_path=/no/such/model"], {},
      "model.name_or_path=/no/such/model"),
     ("used-run-dir", ["hydra.run.dir={used_run}"], {}, "trainer.resume=true"),
+    # A named pipe blocks the first read until something writes to it: each file input is refused by its kind.
+    ("data-fifo", ["data.path={fifo}"], {}, "data.path={fifo}: is a named pipe (FIFO), not a regular file"),
+    ("val-fifo", ["data.path={file}", "data.val_path={fifo}"], {}, "data.val_path={fifo}: is a named pipe"),
+    ("hostfile-fifo", ["launcher.hostfile={fifo}"], {}, "launcher.hostfile={fifo}: is a named pipe"),
+    ("tokenizer-fifo", ["data.tokenizer={fifo}"], {}, "data.tokenizer={fifo}: is a named pipe"),
+    ("resume-from-fifo", ["trainer.resume_from={fifo}"], {}, "trainer.resume_from={fifo}: is a named pipe"),
+    ("checkpoint-dir-fifo", ["trainer.checkpoint_dir={fifo}"], {}, "trainer.checkpoint_dir={fifo}: not a writable"),
+    ("data-char-device", ["data.path=/dev/zero"], {}, "data.path=/dev/zero: is a character device"),
+    # ~user of a user this machine does not know (Path.expanduser raised "Could not determine home directory").
+    ("val-unknown-user", ["data.path={file}", "data.val_path='~0'"], {}, "data.val_path=~0: names the home"),
+    ("data-unknown-user", ["data.path='~nosuchuser/x'"], {}, "data.path=~nosuchuser/x: names the home"),
+    ("export-unknown-user", ["trainer.export_dir='~nosuchuser/out'"], {}, "trainer.export_dir=~nosuchuser/out"),
+    ("resume-and-overwrite", ["trainer.resume=true", "trainer.overwrite=true"], {}, "trainer.overwrite=true with"),
+    ("resume-from-and-overwrite", ["trainer.resume_from={used_run}", "trainer.overwrite=true"], {},
+     "trainer.overwrite=true with trainer.resume_from"),
+    ("resume-from-another-model", ["trainer.resume_from={bert_run}"], {}, "another model"),
 ]
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "t"}
 SAGEMAKER = {"SM_TRAINING_ENV": "{}", "SAGEMAKER_BASE_DIR": "{tmp}/opt_ml", "SM_CURRENT_HOST": "algo-1"}
@@ -98,6 +115,8 @@ ENVIRONMENT = [
     ("sagemaker-port", [], {**SAGEMAKER, "SM_HOSTS": '["algo-1","algo-2"]', "SM_MASTER_PORT": "99999"},
      "SM_MASTER_PORT='99999'"),
     ("sagemaker-ranks-started", [], {**SAGEMAKER, "RANK": "0"}, "distribution"),
+    ("cache-env-is-file", [], {"ZERORUN_CACHE": "{file}"}, "ZERORUN_CACHE={file}"),
+    ("cache-env-unknown-user", [], {"ZERORUN_CACHE": "~nosuchuser/cache"}, "ZERORUN_CACHE=~nosuchuser/cache"),
 ]
 FILES = [
     ("data-empty", ["data.path={tmp}/empty.txt"], {}, "empty.txt"),
@@ -127,11 +146,25 @@ def places(tmp_path, monkeypatch, cache_dir):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": 0}\n{"text": oops\n')
     (tmp_path / "rows.csv").write_text("review,stars\nnice,1\n")
     (tmp_path / "data.parquet").write_bytes(b"PAR1\x00\x01")
+    os.mkfifo(tmp_path / "a_fifo")
     used = tmp_path / "used_run" / "checkpoints" / "global_step2"
     used.mkdir(parents=True)
     (used / "COMPLETE").write_text('{"step": 2, "files": {}}')
     return {"file": str(tmp_path / "a_file.txt"), "dir": str(tmp_path / "a_dir"),
-            "empty_dir": str(tmp_path / "empty_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run")}
+            "empty_dir": str(tmp_path / "empty_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run"),
+            "fifo": str(tmp_path / "a_fifo"), "bert_run": str(tmp_path / "bert_run")}
+
+
+def make_bert_run(path):
+    """A run dir of tiny-bert with a complete checkpoint: its config.yaml says which model saved it."""
+    from omegaconf import OmegaConf
+
+    from zerorun.config import compose, to_run_config
+
+    tag = path / "checkpoints" / "global_step2"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text('{"step": 2, "files": {}}')
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(to_run_config(compose(["+model=tiny-bert"])))))
 
 
 def fill(text, places):
@@ -140,11 +173,14 @@ def fill(text, places):
     return text
 
 
+@pytest.mark.timeout(120)  # a file input opened before its kind is known (a FIFO) blocks forever
 @pytest.mark.parametrize("overrides,env,needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_hostile_input_is_one_line_and_exit_2(places, monkeypatch, capsys, overrides, env, needle):
     for k, v in env.items():
         monkeypatch.setenv(k, fill(v, places))
     args = [fill(o, places) for o in overrides]
+    if any("{bert_run}" in o for o in overrides):
+        make_bert_run(Path(places["bert_run"]))
     run_dir = f"{places['tmp']}/run"
     if not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={run_dir}")

@@ -68,3 +68,77 @@ def test_one_checkpoint_is_counted_as_the_disk_holds_it_and_a_small_disk_is_refu
     short = checkpoint.space_problem(tmp_path / "ckpt", need, tmp_path / "export", export, lambda p: need)
     assert short.startswith(f"{tmp_path / 'ckpt'}: 0.01 GiB free, 0.02 GiB needed for one checkpoint and the export")
     assert "trainer.checkpoint_dir" in short
+
+
+def test_identity_names_what_differs_and_passes_the_same_model():
+    gpt2, bert = checkpoint.identity(composed()), checkpoint.identity(composed("+model=tiny-bert"))
+    assert checkpoint.identity_mismatch(gpt2, checkpoint.identity(composed("trainer.lr=1e-3", "model.dropout=0"))) is None
+    why = checkpoint.identity_mismatch(bert, gpt2)
+    assert "tiny-bert" in why and "tiny-gpt2" in why and "architecture" in why and "task" in why
+    deeper = checkpoint.identity_mismatch(checkpoint.identity(composed("model.num_layers=4")), gpt2)
+    assert "model.num_layers 4 vs 2" in deeper and "task" not in deeper
+    lora = checkpoint.identity(composed("adapter=lora", "zero=stage2"))
+    assert "adapter" in checkpoint.identity_mismatch(lora, gpt2)
+    assert checkpoint.identity_mismatch({}, gpt2) is None  # a checkpoint of an older zerorun: nothing recorded
+
+
+def test_a_checkpoint_of_another_model_is_refused_from_its_marker_or_its_run_dirs_config(tmp_path):
+    import json
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from zerorun.config import UserError
+    from zerorun.resume import refuse_another_model
+
+    cfg, bert = composed("trainer.resume=true"), composed("+model=tiny-bert")
+    marked = tmp_path / "elsewhere"
+    make_tag(marked, 2)
+    (marked / "global_step2" / checkpoint.COMPLETE).write_text(json.dumps({"step": 2, "run": checkpoint.identity(bert)}))
+    with pytest.raises(UserError, match="trainer.resume: .* another model.*tiny-bert"):
+        refuse_another_model(cfg, marked, "global_step2", marked)
+    run = tmp_path / "bert_run"
+    make_tag(run / "checkpoints", 2)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(bert)))
+    with pytest.raises(UserError, match=r"\+model=tiny-bert"):
+        refuse_another_model(cfg, run / "checkpoints", "global_step2", run)
+    refuse_another_model(bert, run / "checkpoints", "global_step2", run)  # its own model resumes
+
+
+def _simulated_tags(max_steps, save_every, keep_last, start=0, existing=0):
+    """The trainer's schedule (train/trainer.py: every save_every steps and at the last) with checkpoint.save's
+    retention, step by step from ``start`` with ``existing`` tags: (most tags at once, tags left at the end)."""
+    tags, most = [-1] * existing, existing
+    for step in range(start + 1, max_steps + 1):
+        if (save_every and step % save_every == 0) or step == max_steps:
+            tags.append(step)
+            most = max(most, len(tags))  # COMPLETE written, the oldest not yet deleted
+            tags = tags[-keep_last:]
+    return most, len(tags)
+
+
+def test_tags_held_is_what_the_save_schedule_and_retention_leave():
+    from hypothesis import given, strategies as st
+
+    @given(st.integers(1, 300), st.integers(0, 40), st.integers(1, 6), st.integers(0, 300), st.integers(0, 4))
+    def check(max_steps, save_every, keep_last, start, existing):
+        assert checkpoint.tags_held(max_steps, save_every, keep_last) == _simulated_tags(max_steps, save_every,
+                                                                                         keep_last)
+        resumed = (max_steps, save_every, keep_last, min(start, max_steps), min(existing, keep_last))
+        assert checkpoint.tags_held(*resumed) == _simulated_tags(*resumed)
+
+    check()
+
+
+def test_the_preflight_counts_every_checkpoint_the_run_keeps(tmp_path):
+    need, export = 10 * 2**20, 3 * 2**20
+    # the issue's case: save_every=2 max_steps=4 keep_last=2 holds 2 checkpoints, 3 while the second completes
+    tags = checkpoint.tags_held(4, 2, 2)
+    assert tags == (2, 2)
+    held = checkpoint.space_problem(tmp_path / "c", need, tmp_path / "e", export, lambda p: 16 * 2**20, tags)
+    assert "2 checkpoints (trainer.keep_last=2) and the export" in held and "0.02 GiB needed" in held
+    assert "a smaller trainer.keep_last" in held
+    assert checkpoint.space_problem(tmp_path / "c", need, tmp_path / "e", export, lambda p: 16 * 2**20) is None
+    many = checkpoint.space_problem(tmp_path / "c", need, tmp_path / "e", 0, lambda p: 25 * 2**20,
+                                    checkpoint.tags_held(10, 2, 2))
+    assert "3 checkpoints (trainer.keep_last=2, and one more while a save completes)" in many

@@ -56,7 +56,7 @@ def test_each_bad_line_is_refused_naming_it(line):
 def test_duplicates_empty_missing_and_too_few_hosts(tmp_path):
     assert "listed twice" in str(hostfile.parse("a slots=1\na slots=2\n")[1][0])
     assert "no host" in str(hostfile.parse("# nothing\n\n")[1][0])
-    assert "does not exist" in str(hostfile.problems(str(tmp_path / "none"), 2)[0])
+    assert "no such file" in str(hostfile.problems(str(tmp_path / "none"), 2)[0])
     f = tmp_path / "hf"
     f.write_text("a slots=1\n")
     assert hostfile.problems(str(f), 1) == []

@@ -99,14 +99,20 @@ def test_a_measured_correction_applies_only_to_its_key():
     assert est(cfg, cal=other_versions).calibration == "prior"
 
 
-def test_the_run_reports_estimate_against_measured_and_warns_when_over():
+def test_the_run_reports_estimate_against_measured_and_warns_only_past_the_bound():
     estimate = {"per_rank_peak_bytes": 2 * GIB, "calibration": {"source": "prior"}}
     memory = [{"rank": 0, "peak_rss_bytes": int(1.9 * GIB)}, {"rank": 1, "peak_rss_bytes": int(2.1 * GIB)}]
     rows = compare_with_estimate(estimate, memory)
     assert [round(r["error"], 3) for r in rows] == [0.053, -0.048] and rows[0]["measure"] == "peak RSS"
     lines = oom_lines(rows)
+    assert lines == [lines[0]] and "warning" not in lines[0]  # no bound to pass (an estimate.json without one)
     assert lines[0].startswith("memory: peak RSS 2.10 GiB (rank 1, the most), gate estimated 2.00 GiB: -4.8%")
-    assert len(lines) == 2 and lines[1].startswith("warning: rank 1 used 2.10 GiB, 4.8% more")
+    # The healthy run: 0.8% above the estimate, inside its "at most" figure: one plain line.
+    bounded = compare_with_estimate({**estimate, "per_rank_bound_bytes": int(2.2 * GIB)}, memory)
+    lines = oom_lines(bounded)
+    assert lines == [lines[0]] and "at most 2.20 GiB: -4.8%, within the bound (prior)." in lines[0]
+    past = oom_lines(compare_with_estimate({**estimate, "per_rank_bound_bytes": int(2.05 * GIB)}, memory))
+    assert len(past) == 2 and past[1].startswith("warning: rank 1 used 2.10 GiB, above the gate's bound of 2.05")
     gpu = compare_with_estimate(estimate, [{"rank": 0, "peak_rss_bytes": 5, "device_bytes": {"device_peak": GIB}}])
     assert gpu[0]["measure"].startswith("device peak") and gpu[0]["measured_bytes"] == GIB
     pipe = compare_with_estimate({"per_rank_peak_bytes": 9, "pipeline_stages": [{"per_rank_peak_bytes": 4},

@@ -51,6 +51,11 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                               "apt-get install libaio-dev (Debian/Ubuntu), or offload=cpu.", key="offload.device",
                               value="nvme"))
     problems += path_problems(cfg, writable or hardware.writable_dir_problem)
+    if tr.overwrite and (tr.resume or tr.resume_from):
+        how = f"trainer.resume_from={tr.resume_from}" if tr.resume_from else "trainer.resume=true"
+        problems.append(P(f"trainer.overwrite=true with {how}: overwrite deletes the earlier run's checkpoints, "
+                          "resume continues from them.", f"drop one: {how} to continue that run, or "
+                          "trainer.overwrite=true to start over.", key="trainer.overwrite", value=True))
     problems += _precision_problems(cfg, world)
 
     dp = data_parallel_size(cfg, world)

@@ -122,7 +122,9 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         out = OmegaConf.to_object(merged)
     except Exception as e:  # a wrong type or an invalid enum value
         raise typing_error(e) from None
-    return with_architecture_of_checkpoint(out)
+    from .paths import expanded
+
+    return with_architecture_of_checkpoint(expanded(out))
 
 
 def with_architecture_of_checkpoint(cfg: RunConfig) -> RunConfig:

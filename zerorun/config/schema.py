@@ -446,6 +446,9 @@ class RunConfig:
     """Seeds every RNG (numpy takes [0, 2**32))."""
     dry_run: bool = False
     """Compose, check, estimate, render and write the run dir; print the command; do not launch."""
+    verbose: bool = False
+    """Show transformers' and DeepSpeed's INFO lines (their launcher's too) on the terminal; false: zerorun's own
+    lines and the progress bar, the libraries' warnings and errors, their INFO in the run dir's libraries.log."""
     gate: GateMode = GateMode.strict
     """Memory gate before launch: strict (refuse what won't fit), warn, off, autofit, or calibrate (measure this
     config on this machine once, as zerorun-calibrate does, then gate strictly with the measured correction)."""

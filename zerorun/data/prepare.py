@@ -19,6 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..config import DataConfig, DataError, ModelConfig, TaskName
+from ..config.paths import CACHE_ENV, expand
 from ..config.rules import BUILTIN_DATASETS
 from ..manifest import manifest, mismatch, write_durably
 from ..models import resolve_pkg_path
@@ -127,8 +128,8 @@ larger ones by size only."""
 
 
 def cache_root(data: DataConfig) -> Path:
-    root = data.cache_dir or os.environ.get("ZERORUN_CACHE") or os.path.join(Path.home(), ".cache", "zerorun")
-    return Path(root)
+    root = data.cache_dir or os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "zerorun")
+    return Path(expand(root))
 
 
 def builtin_name(data: DataConfig, task: str) -> str:

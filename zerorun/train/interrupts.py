@@ -15,6 +15,8 @@ FAULT_KILL_ENV = "ZERORUN_FAULT_KILL"            # "RANK:STEP": SIGKILL that ran
 FAULT_OOM_ENV = "ZERORUN_FAULT_OOM"              # "RANK:STEP[:MIN_MICRO]": raise OutOfMemoryError before that step
 FAULT_MEMLIMIT_ENV = "ZERORUN_FAULT_MEMLIMIT"    # "RANK:MIB": a real address-space limit once the model is built
 FAULT_SAVE_KILL_ENV = "ZERORUN_FAULT_SAVE_KILL"  # "RANK:STEP:POINT": SIGKILL inside that step's save (checkpoint.py)
+FAULT_SAVE_FILL_ENV = "ZERORUN_FAULT_SAVE_FILL"  # "RANK:STEP:KIB": fill that save's disk to KIB free first
+FILLER = "disk-filler"
 FAULT_SAVE_SNAPSHOT_ENV = "ZERORUN_FAULT_SAVE_SNAPSHOT"
 """"STEP:DIR": at every point of that step's save, each rank copies the checkpoint dir to
 DIR/rank{r}-point{p}/checkpoints: what a kill of that rank at that point would leave on disk (the other ranks
@@ -87,15 +89,22 @@ def limit_memory(rank: int) -> None:
 
 def save_hook(rank: int, step: int, root: Path) -> Optional[Callable[[int], None]]:
     """What a test does at each numbered point inside checkpoint.save of this step on this rank: SIGKILL the
-    rank at one point (ZERORUN_FAULT_SAVE_KILL), or snapshot the checkpoint dir (ZERORUN_FAULT_SAVE_SNAPSHOT)."""
-    kill = _spec(FAULT_SAVE_KILL_ENV)
+    rank at one point (ZERORUN_FAULT_SAVE_KILL), snapshot the checkpoint dir (ZERORUN_FAULT_SAVE_SNAPSHOT), or
+    fill the disk before the save so that it meets a real ENOSPC part-way (ZERORUN_FAULT_SAVE_FILL)."""
+    kill, fill = _spec(FAULT_SAVE_KILL_ENV), _spec(FAULT_SAVE_FILL_ENV)
     kill_at = kill[2] if kill and kill[:2] == (rank, step) else None
     snap_step, _, snap_dir = os.environ.get(FAULT_SAVE_SNAPSHOT_ENV, "").partition(":")
     snapshot = snap_dir if snap_step == str(step) else None
-    if kill_at is None and snapshot is None:
+    fill_to = fill[2] * 1024 if fill and fill[:2] == (rank, step) else None
+    if kill_at is None and snapshot is None and fill_to is None:
         return None
 
     def at(point: int) -> None:
+        if fill_to is not None and point == 0:
+            import shutil
+
+            with open(root / FILLER, "wb") as f:  # among the checkpoints: on their disk, never a tag
+                os.posix_fallocate(f.fileno(), 0, max(0, shutil.disk_usage(root).free - fill_to))
         if snapshot:
             import shutil
 

@@ -63,11 +63,13 @@ def _leave_disk_full(run_dir: RunDir, trainer: Optional[Trainer], error: "faults
 
     rank = trainer.rank if trainer else int(os.environ.get("RANK", 0))
     if not error.peer:
-        try:  # first, so a peer whose collective breaks when this rank leaves can tell why
-            faults.record(run_dir.path, rank, "disk_full", step=error.step, path=error.path, latest=error.latest,
-                          error=error.cause)
-        except OSError:
-            pass  # the run dir may be on the full disk too: the exit code still says it
+        for attempt in range(2):
+            try:  # first, so a peer whose collective breaks when this rank leaves can tell why
+                faults.record(run_dir.path, rank, "disk_full", step=error.step, path=error.path,
+                              latest=error.latest, error=error.cause)
+                break
+            except OSError:  # the run dir is on the full disk too: the partial save holds what the record needs
+                shutil.rmtree(error.partial, ignore_errors=True)
         print(f"zerorun: rank {rank}: {error}", file=sys.stderr, flush=True)
     shutil.rmtree(error.partial, ignore_errors=True)
     os._exit(faults.EXIT_DISK_FULL)

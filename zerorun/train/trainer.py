@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from .. import checkpoint, faults
+from ..quiet import LIBRARY_LOG, library_stdout, quiet_libraries
 from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
@@ -44,7 +45,8 @@ class Trainer:
         # not torch's 30 minutes (the launcher also stops the group when one rank exits).
         from datetime import timedelta
 
-        deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
+        with library_stdout(self.cfg.verbose):  # "DeepSpeed ... shm_comm_op built successfully", once per rank
+            deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # Who writes the run dir's metrics, summary and checkpoint markers: rank 0, and with a run dir per
@@ -67,6 +69,7 @@ class Trainer:
         from ..models import build_model
 
         cfg = self.cfg
+        quiet_libraries(cfg.verbose, self.run_dir.path / LIBRARY_LOG if self.writes_run_dir else None)
         seed_everything(cfg.seed)  # identical initial weights on every rank
         # Every model is built whole and DeepSpeed partitions it. transformers' zero.Init path
         # (HfDeepSpeedConfig) left weights it initialises itself (random init, and the new classifier
@@ -232,14 +235,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
-        client_state = {"step": step, "consumed": self.sampler.consumed}
+        client_state = {"step": step, "consumed": self.sampler.consumed, "run": checkpoint.identity(self.cfg)}
         root = self.run_dir.checkpoints_for(self.cfg)
         try:
             return self._save(root, step, client_state)
         except Exception as e:  # noqa: BLE001 (only a full disk is turned into something else)
-            # A peer that hit the full disk left its record before leaving: this rank's broken collective is that.
-            peer = not faults.is_disk_full(e, root) and any(
-                r.get("kind") == "disk_full" for r in faults.read_all(self.run_dir.path))
+            # A peer that hit the full disk leaves its record before leaving: this rank's broken collective is that.
+            peer = not faults.is_disk_full(e, root) and faults.await_record(self.run_dir.path, "disk_full")
             if not (peer or faults.is_disk_full(e, root)):
                 raise
             raise faults.DiskFull(str(root), step, checkpoint.latest_tag(root) or "", str(root / checkpoint.tag_for(step)),
