@@ -95,3 +95,26 @@ def test_the_allocator_key_separates_measurements_of_different_allocators():
     keys = {runtime_overhead_key(compose([f"launcher.allocator={a}", "launcher.mmap_threshold_mib=1"]), hw, 2)
             for a in ("tcmalloc", "jemalloc", "glibc")}
     assert len(keys) == 3
+
+
+def test_autofit_gives_up_the_fast_allocator_only_when_memory_is_short_and_says_what_it_costs():
+    import dataclasses
+
+    from helpers import CPU2, CPU_HOST
+    from zerorun.config import make_plan
+    from zerorun.memory import autofit, estimate
+
+    cfg = compose(["+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", "zero=stage2",
+                   "launcher.allocator=tcmalloc"])
+    plan = make_plan(cfg, CPU2)
+    fast, slow = estimate(cfg, plan, CPU_HOST), estimate(
+        dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, allocator=Allocator.glibc,
+                                                              mmap_threshold_mib=1)), plan, CPU_HOST)
+    assert slow.bound_bytes < fast.bound_bytes  # glibc at 1 MiB holds less: the memory-saving fallback
+    between = dataclasses.replace(CPU_HOST, host_mem_bytes=int((slow.bound_bytes + fast.bound_bytes) / 2 * 2))
+    found = autofit(cfg, plan, between)
+    assert found is not None
+    change = next(c for c in found.changes if c.key == "launcher.allocator")
+    assert change.new == Allocator.glibc and "slower" in change.why and change.override() == "launcher.allocator=glibc"
+    roomy = dataclasses.replace(CPU_HOST, host_mem_bytes=int(fast.bound_bytes * 2 * 1.2))
+    assert autofit(cfg, plan, roomy) is None or not any(c.key == "launcher.allocator" for c in autofit(cfg, plan, roomy).changes)

@@ -14,7 +14,9 @@ from typing import Any, List, Optional, Tuple
 from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded,
                       small_bucket_sizes)
+from ..allocators import concrete as allocator_of
 from ..config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
+from ..config.schema import Allocator
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
@@ -64,6 +66,8 @@ def _override(key: str, value: Any) -> str:
         return f"zero=stage{value}"
     if key in ("offload.device", "optimizer.name"):
         return f"{key.split('.')[0]}={getattr(value, 'value', value)}"
+    if isinstance(value, Allocator):
+        return f"{key}={value.value}"
     if isinstance(value, bool):
         return f"{key}={'true' if value else 'false'}"
     if value is None:
@@ -137,10 +141,16 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
         new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
     new_la = cfg.launcher
     if k.low_mmap and _mmap_lowerable(cfg):
-        changes.append(Change("launcher.mmap_threshold_mib", cfg.launcher.mmap_threshold_mib, 1,
-                              "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
-                              "page faults make steps slower)"))
-        new_la = dataclasses.replace(new_la, mmap_threshold_mib=1)
+        if allocator_of(cfg.launcher) != Allocator.glibc:
+            changes.append(Change("launcher.allocator", Allocator(cfg.launcher.allocator), Allocator.glibc,
+                                  f"{Allocator(cfg.launcher.allocator).value} keeps freed blocks for reuse; glibc at "
+                                  "a 1 MiB mmap threshold gives them back to the OS (CPU ranks: ~1.6x slower steps)"))
+            new_la = dataclasses.replace(new_la, allocator=Allocator.glibc)
+        if mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > CPU_MMAP_THRESHOLD:
+            changes.append(Change("launcher.mmap_threshold_mib", cfg.launcher.mmap_threshold_mib, 1,
+                                  "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
+                                  "page faults make steps slower)"))
+            new_la = dataclasses.replace(new_la, mmap_threshold_mib=1)
     new_par = cfg.parallel
     if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
         accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
@@ -289,8 +299,10 @@ def _with_8bit(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration) -> Op
 
 
 def _mmap_lowerable(cfg: RunConfig) -> bool:
-    """Whether the memory-saving 1 MiB threshold would hold less resident than the config's (0, 32 or auto)."""
-    return mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > CPU_MMAP_THRESHOLD
+    """Whether glibc at the memory-saving 1 MiB threshold would hold less resident than the config's allocator
+    (tcmalloc, jemalloc, mimalloc) or glibc mode (0, 32 or auto)."""
+    return allocator_of(cfg.launcher) != Allocator.glibc or \
+        mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib) > CPU_MMAP_THRESHOLD
 
 
 def resolve_mmap_threshold(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration = DEFAULT_CALIBRATION
