@@ -118,3 +118,27 @@ def test_autofit_gives_up_the_fast_allocator_only_when_memory_is_short_and_says_
     assert change.new == Allocator.glibc and "slower" in change.why and change.override() == "launcher.allocator=glibc"
     roomy = dataclasses.replace(CPU_HOST, host_mem_bytes=int(fast.bound_bytes * 2 * 1.2))
     assert autofit(cfg, plan, roomy) is None or not any(c.key == "launcher.allocator" for c in autofit(cfg, plan, roomy).changes)
+
+
+@pytest.mark.parametrize("allocator,width", [("tcmalloc", "heap retention (tcmalloc)"),
+                                             ("jemalloc", "heap (jemalloc, not validated)"),
+                                             ("mimalloc", "heap (mimalloc, not validated)")])
+def test_the_figure_is_for_the_allocator_that_runs(allocator, width):
+    from helpers import CPU2, CPU_HOST
+    from zerorun.config import make_plan
+    from zerorun.memory import estimate
+    from zerorun.memory.priors import PAGE_HEAP_TERM
+
+    def est(*ovs):
+        cfg = compose(["+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", *ovs])
+        return estimate(cfg, make_plan(cfg, CPU2), CPU_HOST)
+
+    glibc, pre = est("launcher.allocator=glibc", "launcher.mmap_threshold_mib=1"), est(f"launcher.allocator={allocator}")
+    assert PAGE_HEAP_TERM not in glibc.components and pre.components[PAGE_HEAP_TERM] > 0
+    assert pre.per_rank_peak_bytes > glibc.per_rank_peak_bytes and width in pre.bound_widths
+    assert pre.to_json()["config"]["allocator"] == allocator
+    # Validated (tcmalloc) is narrower than a second copy of the tensors; the unvalidated ones get that copy.
+    counted = pre.per_rank_peak_bytes - sum(v for k, v in pre.components.items() if k in
+                                            ("process runtime", "heap retention", PAGE_HEAP_TERM,
+                                             "allocator and runtime overhead"))
+    assert (pre.bound_widths[width] < 0.5 * counted) == (allocator == "tcmalloc")
