@@ -30,8 +30,11 @@ def test_strict_gate_refuses_gpt2_large_on_16gib(tmp_path, cache_dir):
 
 def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
+    # glibc at 1 MiB: the CPU step-time model is validated there (docs/speed.md); with tcmalloc, the default, it
+    # predicted 1.9x the measured speed on this config (issue 33's note: the model is to be refit without faults).
+    glibc = ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=1"]
     proc = run_zerorun(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2", "trainer.max_steps=3",
-                        "trainer.progress=false", "trainer.export=false"], run_dir, cache_dir)
+                        "trainer.progress=false", "trainer.export=false", *glibc], run_dir, cache_dir)
     assert proc.returncode == 0, proc.stdout[-3000:]
     # What the library's autofit decides for the same overrides (the fastest predicted config that fits) is
     # what the launch printed and ran.
@@ -39,7 +42,7 @@ def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path
     from zerorun.hardware import resolve_hardware
     from zerorun.memory import autofit
 
-    cfg = compose(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2"])
+    cfg = compose(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2", *glibc])
     hw = resolve_hardware(cfg.hardware, None)
     fit = autofit(cfg, make_plan(cfg, plan_world(cfg, hw)), hw)
     overrides = " ".join(c.override() for c in fit.changes)
