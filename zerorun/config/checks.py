@@ -12,9 +12,10 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (adapter_problems, offload_problems, optimizer_problems, pipeline_problems, resolve_task,
+from .rules import (adapter_problems, lora_target_problems, offload_problems, optimizer_problems, pipeline_problems,
+                    resolve_task,
                     shape_problems, task_problems)
-from .schema import Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
+from .schema import AdapterName, Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
 def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
@@ -70,6 +71,9 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                 key="trainer.global_batch_size", value=tr.global_batch_size))
 
     problems += shape_problems(m, cfg.parallel.mode == ParallelMode.pipeline)
+    if AdapterName(cfg.adapter.name) == AdapterName.lora and not any((p.key or "").startswith("model.")
+                                                                      for p in problems):
+        problems += lora_target_problems(m, cfg.adapter)
     if cfg.data.seq_len > m.max_positions:
         problems.append(P(f"data.seq_len={cfg.data.seq_len} exceeds model.max_positions={m.max_positions} of "
                           f"{m.name}.", f"data.seq_len={m.max_positions} or less.", key="data.seq_len",

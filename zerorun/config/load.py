@@ -132,9 +132,19 @@ def with_architecture_of_checkpoint(cfg: RunConfig) -> RunConfig:
     config.json (a local directory or file; on the hub, when it can be reached), then the flag cleared, so the run
     dir's config.yaml holds the numbers and the ranks never read it again."""
     m = cfg.model
+    from ..arch import ArchitectureError, model_fields_from_config_json, traits
+
+    if not m.from_config_json and traits(m).traced:  # a traced model file: its summary fields follow its hf_config
+        from ..arch.config_json import traced_fields
+
+        try:
+            fields = traced_fields(m.model_type, {"model_type": m.model_type, **m.hf_config}, f"model {m.name}")
+        except ArchitectureError as e:
+            raise UserError(str(e), key="model.hf_config", value=m.model_type) from None
+        fields["family"] = Family(fields["family"])
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, **fields))
     if not m.from_config_json:
         return cfg
-    from ..arch import ArchitectureError, model_fields_from_config_json
 
     source = m.name_or_path
     if source.startswith("pkg://"):

@@ -85,6 +85,13 @@ def adapter_problems(adapter: AdapterName, stage: int, mode: ParallelMode) -> Li
                       key="adapter.name", value="lora")]
 
 
+def lora_target_problems(m, adapter) -> List[UserError]:
+    """LoRA's target modules against the model's linear layers (zerorun/arch), before anything launches."""
+    from ..arch import lora_target_problems as arch_problems
+
+    return [UserError(what, fix, key=key, value=value) for what, fix, key, value in arch_problems(m, adapter)]
+
+
 def layouts(mode: ParallelMode = ParallelMode.dp, adapter: AdapterName = AdapterName.none) -> List[Layout]:
     """Every layout zerorun offers for ``mode`` (and ``adapter``), in table order: those the rules above accept,
     and for a pipeline no offload (DeepSpeed allows it at ZeRO-1, but zerorun has not tested it)."""

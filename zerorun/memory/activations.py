@@ -119,6 +119,9 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§3.7); none when dropout = 0.
     - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
     """
+    if traits(m).traced:
+        return traced_activations(m, micro_batch, seq_len, Dtype(dtype), accelerator, checkpointing, task, num_labels,
+                                  mmap_threshold, lora)
     if traits(m).modern:
         return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
                                    checkpointing, num_labels, mmap_threshold, lora)
@@ -238,6 +241,37 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
                        logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab, num_layers=d.layers, checkpointing=checkpointing,
                        small_per_layer=small(plain), small_checkpoint=small([(1, kept)]),
                        small_outside=small([*outside, (1, mask)]))
+
+
+def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator: str, checkpointing: bool,
+                       task: Optional[TaskName], num_labels: int, mmap_threshold: int, lora=None) -> Activations:
+    """Any architecture transformers builds: what its training forward saves, traced shape-only at this micro-batch,
+    sequence and dtype (zerorun/arch/traced.py), with the base frozen under LoRA. The trace runs CPU's attention
+    kernel choice; on CUDA it is traced without attention dropout, as the fused kernels keep no dropout tensors
+    (the s² tensors CPU's math path saves with dropout are not CUDA's). Checkpointing keeps each layer's hidden
+    input and the layers' other inputs nothing saves (a materialised mask), and recomputes one layer on the path
+    without a KV cache. The working set of one layer's backward and the loss transient are the template's."""
+    from ..arch import hf_fields
+    from ..arch.traced import saved_sizes
+
+    task_name = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)).value
+    lora_key = (tuple(lora[0]), int(lora[1]), float(lora[2])) if lora is not None else None
+    trace = lambda no_cache: saved_sizes(m.model_type, hf_fields(m), task_name, num_labels, b, s,  # noqa: E731
+                                         Dtype(dtype).value, no_cache, lora_key, dropout_off=accelerator == "cuda")
+    layer, outside, _ = trace(False)
+    recompute, outside_nc, kept_inputs = trace(True)
+    e, t = DTYPE_BYTES[Dtype(dtype)], b * s
+    kept = e * m.hidden_size * t
+    if checkpointing:
+        outside = (*outside_nc, *kept_inputs)
+    small = (lambda sizes: sum(n for n in sizes if 0 < n < mmap_threshold)) if accelerator == "cpu" \
+        else (lambda sizes: 0)
+    lm = task_name == TaskName.causal_lm.value
+    return Activations("traced", sum(layer), sum(recompute), kept, sum(outside),
+                       working_set=e * t * (m.hidden_size + 2 * m.intermediate_size),
+                       logits_loss=LOSS_BYTES_PER_LOGIT * (t * m.vocab_size if lm else b * num_labels),
+                       num_layers=m.num_layers, checkpointing=checkpointing, small_per_layer=small(layer),
+                       small_checkpoint=small([kept]), small_outside=small(outside))
 
 
 def with_lora(act: Activations, adapted, r: int, dropout: float, e: int, tokens: int, accelerator: str) -> Activations:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..arch import Traits, lora_layer_tensors, param_tensors, traits
+from ..arch import Traits, census, lora_layer_tensors, param_tensors, traits
 from ..config import ModelConfig, TaskName, default_task
 
 
@@ -39,6 +40,8 @@ class ParamBreakdown:
     """adapter=lora: the LoRA tensors each layer gains (also in ``layer_tensors``); only they, and a
     classification head, train: the base model is frozen (no gradients, master copies or optimizer states)."""
     trainable_head: Tuple[int, ...] = ()
+    irregular: int = 0
+    """Elements the layers hold beyond num_layers × ``layer_tensors`` (a traced model whose first layer differs)."""
 
     @property
     def lora(self) -> bool:
@@ -74,7 +77,7 @@ class ParamBreakdown:
 
     @property
     def total(self) -> int:
-        return self.embeddings + self.num_layers * self.per_layer + self.head
+        return self.embeddings + self.num_layers * self.per_layer + self.irregular + self.head
 
     def tensors(self) -> Tuple[int, ...]:
         """Every parameter tensor's element count, in module order."""
@@ -100,7 +103,7 @@ class ParamBreakdown:
 
 ARCH_FIELDS = ("family", "model_type", "num_layers", "hidden_size", "num_heads", "intermediate_size",
                "vocab_size", "max_positions", "type_vocab_size", "num_kv_heads", "head_dim", "tie_word_embeddings",
-               "attention_bias", "mlp_bias")
+               "attention_bias", "mlp_bias", "hf_config")
 Shape = namedtuple("Shape", ARCH_FIELDS)
 """The fields of a ModelConfig that zerorun/arch reads, frozen so that a parameter layout can be cached."""
 
@@ -109,7 +112,9 @@ def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int =
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
     lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.value == "lora" else ()
-    return Shape(*(getattr(m, f) for f in ARCH_FIELDS)), task, num_labels, lora
+    fields = [getattr(m, f) for f in ARCH_FIELDS]
+    fields[-1] = json.dumps(m.hf_config, sort_keys=True)  # hashable; zerorun/arch reads it back
+    return Shape(*fields), task, num_labels, lora
 
 
 @functools.lru_cache(maxsize=256)
@@ -118,7 +123,9 @@ def breakdown(key: Tuple) -> ParamBreakdown:
     (and a classification head, which peft trains too) are trainable."""
     shape, task, labels, lora = key
     emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels)
-    full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers)
+    irregular = census(shape, task.value, labels).irregular if traits(shape).traced else 0
+    full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers,
+                          irregular=irregular)
     if not lora:
         return full
     trainable_head = full.head_tensors if task == TaskName.sequence_classification else ()

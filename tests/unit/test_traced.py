@@ -1,0 +1,127 @@
+"""Any architecture transformers builds, planned from the model itself (zerorun/arch/traced.py): the census against
+the real model's parameters, the shape-only trace against what a real CPU forward saves, LoRA targets checked."""
+import warnings
+
+import pytest
+import torch
+
+from helpers import GPU8, composed
+from zerorun.arch import lora_target_problems, traced
+from zerorun.config import check
+
+pytestmark = pytest.mark.unit
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, max_position_embeddings=256)
+ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=300,
+               max_position_embeddings=256)
+TYPES = {  # one tiny config per family the issue names; a new family is one line here and nothing else
+    "qwen3": TINY, "gemma2": TINY, "gemma3_text": dict(TINY, num_hidden_layers=7, sliding_window=16),
+    "phi3": dict(TINY, pad_token_id=0), "mixtral": dict(TINY, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "modernbert": dict(ENCODER, pad_token_id=0, global_attn_every_n_layers=2, local_attention=16),
+    "deberta-v2": dict(ENCODER, relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"],
+                       type_vocab_size=0, position_biased_input=False),
+    "llama": dict(TINY, tie_word_embeddings=True),
+}
+
+
+def task_of(model_type):
+    return "sequence_classification" if model_type in ("modernbert", "deberta-v2") else "causal_lm"
+
+
+def real_model(model_type, fields, task, layers=None, dtype=torch.float32):
+    cfg = traced.build_config(model_type, fields, 2, layers)
+    torch.manual_seed(0)
+    return traced.model_class(task).from_config(cfg).to(dtype).train()
+
+
+def real_saved(model, batch, seq, task, no_cache):
+    """Unique storages a real CPU forward saves for backward, parameters aside (what the trace counts)."""
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    sizes = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            sizes.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    kwargs = {"use_cache": False} if no_cache and task == "causal_lm" else {}
+    if task != "causal_lm":
+        kwargs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
+    ids = torch.randint(0, 300, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, **kwargs)
+    return sum(sizes.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(TYPES))
+def test_census_equals_the_parameters_transformers_builds(model_type):
+    fields, task = TYPES[model_type], task_of(model_type)
+    model = real_model(model_type, fields, task)
+    c = traced.census(model_type, fields, task)
+    assert c.total == sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    assert c.tied == (emb.numel() if out is not None and out.weight is emb else 0)
+    assert c.linears and all(shapes for shapes in c.linears.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(TYPES))
+@pytest.mark.parametrize("dtype, no_cache", [("fp32", False), ("bf16", True)])
+def test_the_shape_only_trace_saves_what_a_real_forward_saves(model_type, dtype, no_cache):
+    fields, task = TYPES[model_type], task_of(model_type)
+    shallow, deep = traced.depths(model_type, fields)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    for layers in (shallow, deep):
+        for batch in (1, 2):
+            point = traced.trace_point(model_type, fields, task, 2, layers, batch, 32, dtype, no_cache)
+            real = real_saved(real_model(model_type, fields, task, layers, torch_dtype), batch, 32, task, no_cache)
+            assert sum(point.sizes) == real, (layers, batch)
+
+
+def test_bytes_are_linear_in_the_micro_batch_so_two_traces_give_any_other():
+    fields = TYPES["qwen3"]
+    per3, out3, kept3 = traced.saved_sizes("qwen3", fields, "causal_lm", 2, 3, 32, "fp32", True)
+    real3 = [traced.trace_point("qwen3", fields, "causal_lm", 2, n, 3, 32, "fp32", True) for n in (1, 2)]
+    assert (per3, out3) == traced.split_layers(*real3)
+    assert sorted(kept3) == sorted(real3[0].kept)
+
+
+def test_gemma_traces_one_layer_of_each_attention_kind():
+    assert traced.depths("gemma3_text", TYPES["gemma3_text"]) == (2, 3)  # sliding and full
+    assert traced.depths("phi3", TYPES["phi3"]) == (1, 2)  # no per-layer pattern
+
+
+def test_checkpointing_keeps_the_materialised_mask_a_layer_is_given():
+    *_, kept = traced.saved_sizes("llama", TYPES["llama"], "causal_lm", 2, 2, 32, "fp32", True)
+    assert 2 * 32 * 32 in kept  # the (b, 1, s, s) bool mask every checkpoint keeps
+
+
+def test_moe_plans_every_expert_and_a_balanced_share_of_tokens():
+    c = traced.census("mixtral", TYPES["mixtral"], "causal_lm")
+    assert len(c.linears["w1"]) == 4  # every expert's projections are there to adapt or count
+    assert 0 < c.expert_fraction < 1
+
+
+def test_an_unknown_lora_target_is_refused_naming_the_valid_ones(tmp_path):
+    cfg = composed("+model=qwen3-8b", "adapter=lora", "adapter.target_modules=[nonexistent_proj]")
+    [(what, fix, key, value)] = lora_target_problems(cfg.model, cfg.adapter)
+    assert "nonexistent_proj" in what and "q_proj" in fix and key == "adapter.target_modules"
+    assert any("nonexistent_proj" in p.what and p.key == "adapter.target_modules" for p in check(cfg, GPU8))
+
+
+def test_phi3_gets_lora_targets_although_peft_has_no_default():
+    cfg = composed("+model=phi-3-mini", "adapter=lora")
+    assert lora_target_problems(cfg.model, cfg.adapter) == []
+
+
+@pytest.mark.parametrize("name, total", [("qwen3-8b", 8_190_735_360), ("gemma-2-9b", 9_241_705_984),
+                                         ("gemma-3-1b", 999_885_952), ("phi-3-mini", 3_821_079_552),
+                                         ("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)])
+def test_the_shipped_files_have_the_published_sizes(name, total):
+    from zerorun.arch import count_params
+
+    assert count_params(composed(f"+model={name}").model) == total
