@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zerorun.memory import OVERHEADS  # noqa: E402
@@ -84,25 +84,64 @@ DECODERS = ("tiny-llama", "tiny-qwen2")
 """Llama-class decoders built from config (``--models tiny-llama,tiny-qwen2``): half of their draws use LoRA."""
 
 
+ARCHITECTURES = ("qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "modernbert", "deberta-v2",
+                 "llama", "qwen2", "mistral")
+"""``--models arch``: a model type drawn from these, at a random tiny shape, from a config.json alone."""
+ENCODER_TYPES = ("modernbert", "deberta-v2")
+
+
+def random_architecture(rng, data_dir: Path) -> Tuple[str, Path]:
+    """(model_type, dir): a config.json of a random type and random tiny shape (hidden, layers, heads, key/value
+    heads, vocabulary, tied or not), written the way transformers writes it, and nothing else in the dir."""
+    from transformers import AutoConfig
+
+    kind = rng.choice(ARCHITECTURES)
+    heads = rng.choice((2, 4, 8))
+    head_dim = rng.choice((16, 32))
+    h = heads * head_dim
+    fields = dict(hidden_size=h, num_hidden_layers=rng.randint(1, 4), num_attention_heads=heads,
+                  intermediate_size=h * rng.choice((2, 3, 4)), vocab_size=rng.randrange(1000, 33000, 8),
+                  max_position_embeddings=512)
+    if kind not in ENCODER_TYPES:
+        fields.update(num_key_value_heads=rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0]), head_dim=head_dim,
+                      tie_word_embeddings=rng.random() < 0.5)
+    extra = {"gemma3_text": dict(sliding_window=64), "gemma2": dict(sliding_window=64), "phi3": dict(pad_token_id=0),
+             "mixtral": dict(num_local_experts=rng.choice((4, 8)), num_experts_per_tok=2),
+             "qwen3_moe": dict(num_experts=rng.choice((4, 8)), num_experts_per_tok=2, moe_intermediate_size=h // 2),
+             "modernbert": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                global_attn_every_n_layers=2, local_attention=64),
+             "deberta-v2": dict(relative_attention=True, position_buckets=64, pos_att_type=["p2c", "c2p"],
+                                type_vocab_size=0, position_biased_input=False)}
+    fields.update(extra.get(kind, {}))
+    out = data_dir / f"arch-{kind}-{rng.randrange(1 << 30)}"
+    AutoConfig.for_model(kind, **fields).save_pretrained(out)
+    return kind, out
+
+
 def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     """One config drawn uniformly from the space zerorun supports on CPU ranks, before the rules between keys
     (``random_points`` redraws what they refuse): the mmap mode is left to auto, as a user's run would be."""
     model = rng.choice(models)
-    bert = model in ("tiny-bert", "minilm")
+    arch_dir = None
+    if model == "arch":
+        kind, arch_dir = random_architecture(rng, data_dir)
+        model = "encoder" if kind in ENCODER_TYPES else "decoder"
+    bert = model in ("tiny-bert", "minilm", "encoder")
     ranks = rng.choice((1, 2))
-    decoder = model in DECODERS
+    decoder = model in DECODERS or model == "decoder"
     pipeline = ranks == 2 and not decoder and rng.random() < 0.2
     stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2, 3))
     offload = "none" if pipeline else rng.choice(("none", "cpu", "nvme"))
     max_seq = 256 if model == "tiny-gpt2" else 512
-    ovs = [f"+model={model}", f"launcher.nproc_per_node={ranks}", f"zero=stage{stage}", f"offload={offload}",
+    chosen = [f"+model={model}"] if arch_dir is None else ["+model=hf", f"model.name_or_path={arch_dir}"]
+    ovs = [*chosen, f"launcher.nproc_per_node={ranks}", f"zero=stage{stage}", f"offload={offload}",
            f"precision={rng.choice(('fp32', 'bf16'))}",
            f"trainer.activation_checkpointing={rng.choice(('false', 'true'))}",
            f"data.seq_len={rng.randrange(64, max_seq + 1, 16)}", f"trainer.micro_batch_size={rng.randint(1, 16)}",
            f"optimizer={rng.choice(('adamw', 'adamw8bit', 'sgd'))}"]
     if pipeline:
         ovs += ["parallel=pipeline", "parallel.micro_batches=4"]
-    if decoder and rng.random() < 0.5:  # LoRA trains with ZeRO-0/1/2 (random_points redraws stage 3)
+    if (decoder or model == "encoder") and rng.random() < 0.5:  # LoRA: ZeRO-0/1/2 (random_points redraws stage 3)
         ovs += ["adapter=lora", f"adapter.r={rng.choice((4, 8, 16))}"]
     if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
         ovs += [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
@@ -252,7 +291,9 @@ def main() -> None:
     ap.add_argument("--allocator", help="launcher.allocator of every run (default: auto, as a user's run)")
     ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
     ap.add_argument("--models", help="--random: comma-separated model files to draw from (default: "
-                                     f"{','.join(MODELS)}; {','.join(DECODERS)} add LoRA draws)")
+                                     f"{','.join(MODELS)}; {','.join(DECODERS)} add LoRA draws; arch: a random "
+                                     f"type of {', '.join(ARCHITECTURES)} at a random tiny shape, from its "
+                                     "config.json alone, full or LoRA)")
     ap.add_argument("--only", type=int, nargs="*", help="only these point indices")
     ap.add_argument("--rescore", nargs="+", help="no runs: score the stored rows (--out files) with the current "
                                                    "estimator")

@@ -2,6 +2,8 @@
 corrections, and the end-of-run comparison (all pure or on fake /proc and /sys files)."""
 import dataclasses
 
+import pytest
+
 from helpers import CPU2, CPU_HOST, GPU8, A100_8, composed
 from zerorun import memory as M
 from zerorun.config import GateMode, World, check, make_plan
@@ -185,3 +187,12 @@ def test_the_export_is_a_phase_of_rank_0_and_the_other_ranks_keep_their_training
     first, last = pipe.stages[0]["phases"], pipe.stages[1]["phases"]
     assert "export" in first and "export" not in last  # stage 0 holds global rank 0
     assert first["export"]["model gathered for export"] >= (pipe.params - pipe.stages[0]["params"]) * 2
+
+
+@pytest.mark.parametrize("change", ["adapter=lora", "model.num_kv_heads=1", "model.head_dim=16",
+                                    "model.tie_word_embeddings=true", "model.model_type=qwen2", "adapter.r=64"])
+def test_the_correction_key_holds_every_field_that_changes_memory(change):
+    base = ("+model=tiny-llama", "zero=stage2") + (("adapter=lora",) if change == "adapter.r=64" else ())
+    cfg, other = composed(*base), composed(*base, change)
+    key = lambda c: M.correction_key(c, make_plan(c, CPU2), CPU_HOST, "torch=x")  # noqa: E731
+    assert key(cfg) != key(other)

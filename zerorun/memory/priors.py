@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..config import Dtype, Family, OffloadDevice, ParallelMode, Plan, RunConfig
+from ..config import Dtype, OffloadDevice, ParallelMode, Plan, RunConfig
 from ..allocators import memory_mode
 from ..config.rules import mmap_threshold_bytes
 from ..hardware import GIB, Hardware
@@ -105,9 +105,13 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
     import hashlib
     import json
 
-    m = cfg.model
-    parts = {"arch": [Family(m.family).value, m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size,
-                      m.vocab_size, m.max_positions, m.dropout], "task": plan.task.value,
+    from ..arch import lora_targets
+    from .params import ARCH_FIELDS
+
+    m, a = cfg.model, cfg.adapter
+    arch = [getattr(getattr(m, f), "value", getattr(m, f)) for f in ARCH_FIELDS]  # every field that builds the model
+    adapter = [a.name.value, a.r, a.alpha, a.dropout, list(lora_targets(m, a))] if a.name.value == "lora" else "none"
+    parts = {"arch": [*arch, m.dropout], "adapter": adapter, "task": plan.task.value,
              "labels": cfg.task.num_labels, "seq": cfg.data.seq_len, "micro": plan.micro_batch_size,
              "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
