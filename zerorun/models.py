@@ -38,7 +38,10 @@ def import_model_code(name: str) -> None:
     non-tensor memory (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
     import importlib
 
-    importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(name)  # gemma3_text lives in models/gemma3, deberta-v2 in deberta_v2
+    importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
 def model_class(task: TaskName):

@@ -81,9 +81,9 @@ def families(decoder: bool) -> List[str]:
 
 
 def model_code(m) -> str:
-    """The transformers module directory that builds a ModelConfig: a Llama-class decoder's or a traced model's
-    model_type (deberta-v2 → deberta_v2), else the family's own name."""
-    return m.model_type.replace("-", "_") if traits(m).modern or traits(m).traced else _name(m.family)
+    """The transformers model type that builds a ModelConfig (models.import_model_code finds its module): a
+    Llama-class decoder's or a traced model's model_type, else the family's own name."""
+    return m.model_type if traits(m).modern or traits(m).traced else _name(m.family)
 
 
 def hf_fields(m) -> Dict:
