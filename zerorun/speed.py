@@ -173,10 +173,13 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     L, h = bd.num_layers, m.hidden_size
     lm_head = bd.tied_embedding if plan.task == TaskName.causal_lm else 0
     # Forward 2 FLOPs per weight and token, backward 2 for the input gradient and 2 for the weight's, which a
-    # frozen weight (LoRA's base) skips; attention's scores and values 12·s·h per token.
-    trained_layer = sum(bd.adapter_tensors) if bd.lora else bd.per_layer
+    # frozen weight (LoRA's base) skips; attention's scores and values 12·s·(heads × head width) per token (Gemma's
+    # differs from the hidden size). A mixture of experts runs a token through top-k of them (active_fraction).
+    width = m.num_heads * (m.head_dim or h // m.num_heads)
+    active = bd.per_layer * bd.active_fraction
+    trained_layer = sum(bd.adapter_tensors) if bd.lora else active
     trained_head = sum(bd.trainable_head) if bd.lora else bd.head + lm_head
-    layer_flops = (4 * bd.per_layer + 2 * trained_layer) * tokens + 12 * seq * h * tokens
+    layer_flops = (4 * active + 2 * trained_layer) * tokens + 12 * seq * width * tokens
     flops = (L * layer_flops + (4 * (bd.head + lm_head) + 2 * trained_head) * tokens) / stages
     rate = prof.matmul_flops[dtype.value] * prof.efficiency
     if prof.half_speed_tokens:

@@ -42,6 +42,8 @@ class ParamBreakdown:
     trainable_head: Tuple[int, ...] = ()
     irregular: int = 0
     """Elements the layers hold beyond num_layers × ``layer_tensors`` (a traced model whose first layer differs)."""
+    active_fraction: float = 1.0
+    """The share of a layer's parameters one token runs through (MoE: top-k of the experts); compute, not memory."""
 
     @property
     def lora(self) -> bool:
@@ -123,9 +125,9 @@ def breakdown(key: Tuple) -> ParamBreakdown:
     (and a classification head, which peft trains too) are trainable."""
     shape, task, labels, lora = key
     emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels)
-    irregular = census(shape, task.value, labels).irregular if traits(shape).traced else 0
+    c = census(shape, task.value, labels) if traits(shape).traced else None
     full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers,
-                          irregular=irregular)
+                          irregular=c.irregular if c else 0, active_fraction=c.expert_fraction if c else 1.0)
     if not lora:
         return full
     trainable_head = full.head_tensors if task == TaskName.sequence_classification else ()
