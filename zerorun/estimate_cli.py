@@ -112,10 +112,39 @@ def state_line(cfg, est) -> str:
     where = {k: sum(v for c, v in {**est.components, **est.host_components}.items() if c.startswith(k))
              for k in names}
     trainable = est.summary.get("trainable_params", est.params)
-    what = (f"adapter=lora (r={cfg.adapter.r}): {trainable:,} of {est.params:,} parameters train "
-            f"({100 * trainable / max(1, est.params):.2f}%)" if cfg.adapter.name.value == "lora"
+    base = ", the base in 4-bit NF4" if cfg.adapter.name.value == "qlora" else ""
+    what = (f"adapter={cfg.adapter.name.value} (r={cfg.adapter.r}{base}): {trainable:,} of {est.params:,} parameters train "
+            f"({100 * trainable / max(1, est.params):.2f}%)" if cfg.adapter.name.adapts
             else f"full fine-tune: all {est.params:,} parameters train")
     return f"model states per rank, composed config ({what}): " + ", ".join(f"{k} {gib(v)}" for k, v in where.items())
+
+
+def adapter_line(M, cfg, world, hw) -> str:
+    """What the adapter lever buys at the composed layout: full fine-tune, LoRA and QLoRA side by side (adapters at
+    ZeRO-2 where the layout is ZeRO-3; QLoRA only where bitsandbytes is installed)."""
+    import dataclasses
+    import importlib.util
+
+    from .config import AdapterName, check, make_plan
+
+    out = []
+    for name in (AdapterName.none, AdapterName.lora, AdapterName.qlora):
+        if name == AdapterName.qlora and importlib.util.find_spec("bitsandbytes") is None:
+            out.append("QLoRA: pip install 'zerorun[8bit]'")
+            continue
+        c = dataclasses.replace(cfg, adapter=dataclasses.replace(cfg.adapter, name=name, merge=False))
+        if name.adapts and c.zero.stage == 3:
+            c = dataclasses.replace(c, zero=dataclasses.replace(c.zero, stage=2),
+                                    offload=dataclasses.replace(c.offload, params=False))
+        if check(c, world, libaio=True, writable=lambda path: None):
+            continue
+        e = M.estimate(c, make_plan(c, world), hw)
+        label = {"none": "full", "lora": "LoRA", "qlora": "QLoRA"}[name.value]
+        out.append(f"{label} {_gib(e.per_rank_peak_bytes)} (at most {_gib(e.bound_bytes)}"
+                   f"{'' if e.fits else ', does not fit'})")
+    unit = "GPU" if hw.accelerator == "cuda" else "rank"
+    where = "the composed layout" + (", adapters at ZeRO-2" if cfg.zero.stage == 3 else "")
+    return f"by adapter ({where}), per {unit}: " + "; ".join(out)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -164,6 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for line in render_table(cfg, plan, hw, rows, chosen):
         print(line)
     print(state_line(cfg, M.estimate(cfg, plan, hw)))
+    print(adapter_line(M, cfg, world, hw))
     if plot:
         from .report import draw_estimate_table
 

@@ -54,10 +54,52 @@ def weights_path(m: ModelConfig) -> str:
     return resolve_pkg_path(m.name_or_path)
 
 
-def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels: int = 2):
-    """The model to train. Random init is seeded by the caller (same weights on every rank)."""
+def quantization_config(compute_dtype: str):
+    """QLoRA's base: NF4 with double quantization (bitsandbytes), computed in the run's precision."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_dtype]
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+
+
+def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dtype: str, device: str):
+    """The base in 4-bit (adapter=qlora). transformers quantizes while loading a checkpoint, so a random init is
+    written to a private directory first (every rank makes the same one from the same seed) and loaded from it."""
+    import shutil
+    import tempfile
+
+    import torch
+
     cls = model_class(task)
-    if not m.pretrained:
+    kwargs = dict(quantization_config=quantization_config(compute_dtype), device_map={"": device},
+                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_dtype])
+    if task != TaskName.causal_lm:
+        kwargs["num_labels"] = num_labels
+    if m.pretrained:
+        try:
+            return cls.from_pretrained(weights_path(m), **kwargs)
+        except OSError as e:
+            raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
+    tmp = tempfile.mkdtemp(prefix="zerorun-qlora-init-")
+    try:
+        cls.from_config(hf_config(m, num_labels)).save_pretrained(tmp, safe_serialization=True)
+        model = cls.from_pretrained(tmp, **kwargs)
+        model.config._name_or_path = m.name_or_path  # not the directory about to go (peft's export reads it)
+        return model
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels: int = 2, quantized: str = "",
+                device: str = "cpu"):
+    """The model to train. Random init is seeded by the caller (same weights on every rank). ``quantized``: the
+    compute dtype of a 4-bit base (adapter=qlora)."""
+    cls = model_class(task)
+    if quantized:
+        model = build_quantized(m, task, num_labels, quantized, device)
+    elif not m.pretrained:
         model = cls.from_config(hf_config(m, num_labels))
     else:
         try:
@@ -126,12 +168,18 @@ def pretrained_problems(m: ModelConfig) -> List[UserError]:
         return [ModelLoadError(offline_hint(m.name_or_path, e), key=key, value=value)]
 
 
-def with_lora(model, m: ModelConfig, adapter, task: TaskName):
+def with_lora(model, m: ModelConfig, adapter, task: TaskName, checkpointing: bool = False):
     """``model`` with LoRA adapters (peft) on the adapter's target modules; everything else frozen (a classifier
-    head trains too: peft's SEQ_CLS task keeps it in modules_to_save)."""
-    from peft import LoraConfig, TaskType, get_peft_model
+    head trains too: peft's SEQ_CLS task keeps it in modules_to_save). A 4-bit base (adapter=qlora) first goes
+    through peft's ``prepare_model_for_kbit_training``: the 16-bit weights it keeps (embeddings, norms, head) cast
+    to fp32 (DeepSpeed casts them back to the run's precision), and checkpointing as the trainer asks."""
+    from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
     from .arch import lora_targets
+
+    if adapter.name.value == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
 
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
                         target_modules=list(lora_targets(m, adapter)),

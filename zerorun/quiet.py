@@ -39,7 +39,8 @@ def library_loggers() -> List[logging.Logger]:
     """transformers' and DeepSpeed's root loggers (those already imported; importing them is the caller's)."""
     import sys
 
-    out = [logging.getLogger("transformers"), logging.getLogger("matplotlib")]  # (its font cache: zerorun-report)
+    out = [logging.getLogger("transformers"), logging.getLogger("matplotlib"),  # (its font cache: zerorun-report)
+           logging.getLogger("py.warnings")]  # libraries' Python warnings (deprecations, peft's notes)
     if "deepspeed" in sys.modules:
         from deepspeed.utils import logger as ds_logger
 
@@ -51,6 +52,11 @@ def quiet_libraries(verbose: bool, log_file: Optional[Path] = None) -> None:
     """Terminal handlers of transformers and DeepSpeed at WARNING (INFO with ``verbose``), the known noise
     filtered; with ``log_file``, everything from INFO up is written there too."""
     level = logging.INFO if verbose else logging.WARNING
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger("py.warnings")
+    warnings_logger.propagate = verbose  # the terminal sees them only with verbose; the run dir's log always
+    if not warnings_logger.handlers:
+        warnings_logger.addHandler(logging.NullHandler())
     for lg in library_loggers():
         lg.setLevel(logging.INFO if (verbose or log_file) else logging.WARNING)
         for h in lg.handlers:

@@ -12,7 +12,7 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (adapter_problems, lora_target_problems, offload_problems, optimizer_problems, pipeline_problems,
+from .rules import (adapter_problems, lora_target_problems, qlora_problems, offload_problems, optimizer_problems, pipeline_problems,
                     resolve_task,
                     shape_problems, task_problems)
 from .schema import AdapterName, Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
@@ -39,6 +39,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
 
     problems += offload_problems(z.stage, off.device, off.params)
     problems += adapter_problems(cfg.adapter.name, z.stage, cfg.parallel.mode)
+    problems += qlora_problems(cfg.adapter)
     problems += optimizer_problems(cfg.optimizer.name, off.device, cfg.parallel.mode == ParallelMode.pipeline)
     problems += _monitor_problems(cfg.monitor.value)
     if cfg.optimizer.name.value != "adamw" and "optimizer" in (cfg.deepspeed or {}):
@@ -71,7 +72,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                 key="trainer.global_batch_size", value=tr.global_batch_size))
 
     problems += shape_problems(m, cfg.parallel.mode == ParallelMode.pipeline)
-    if AdapterName(cfg.adapter.name) == AdapterName.lora and not any((p.key or "").startswith("model.")
+    if AdapterName(cfg.adapter.name).adapts and not any((p.key or "").startswith("model.")
                                                                       for p in problems):
         problems += lora_target_problems(m, cfg.adapter)
     if cfg.data.seq_len > m.max_positions:

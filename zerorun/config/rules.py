@@ -76,13 +76,35 @@ def adapter_problems(adapter: AdapterName, stage: int, mode: ParallelMode) -> Li
     """What zerorun trains with LoRA: ZeRO-0/1/2 with data parallelism. ZeRO-3 gathers and exports peft's module
     names, and pipeline stages wrap the plain HF modules: neither has been run with adapters (a frozen base is
     small enough that ZeRO-2 rarely needs more)."""
-    if AdapterName(adapter) != AdapterName.lora or (stage < 3 and ParallelMode(mode) == ParallelMode.dp):
+    name = AdapterName(adapter)
+    if not name.adapts or (stage < 3 and ParallelMode(mode) == ParallelMode.dp):
         return []
     what = "zero=stage3" if stage == 3 else "parallel=pipeline"
-    return [UserError(f"adapter=lora with {what}: zerorun trains LoRA with ZeRO-0/1/2 and data parallelism (a "
-                      "frozen base is small enough that ZeRO-2 rarely needs more).",
+    why = (" (ZeRO-3 would partition bitsandbytes' packed 4-bit weights, which it cannot gather back)"
+           if name == AdapterName.qlora and stage == 3 else "")
+    return [UserError(f"adapter={name.value} with {what}: zerorun trains adapters with ZeRO-0/1/2 and data "
+                      f"parallelism{why} (a frozen base is small enough that ZeRO-2 rarely needs more).",
                       "zero=stage2 (or zero=stage1) with parallel=dp, with offload=cpu if the states still do not fit.",
-                      key="adapter.name", value="lora")]
+                      key="adapter.name", value=name.value)]
+
+
+def qlora_problems(adapter) -> List[UserError]:
+    """QLoRA needs bitsandbytes (the optional ``8bit`` extra), and its 4-bit base cannot take a merged update."""
+    import importlib.util
+
+    if AdapterName(adapter.name) != AdapterName.qlora:
+        return []
+    out = []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        out.append(UserError("adapter=qlora needs bitsandbytes (4-bit NF4 weights), which is not installed.",
+                             "pip install 'zerorun[8bit]' (bitsandbytes==0.50.2), or adapter=lora.",
+                             key="adapter.name", value="qlora"))
+    if adapter.merge:
+        out.append(UserError("adapter.merge=true with adapter=qlora: merging into the 4-bit base would round the "
+                             "update away, and a dequantized merge is not the model that trained.",
+                             "adapter.merge=false (the adapter exports to export/adapter/; merge it into the 16-bit "
+                             "base with peft's merge_and_unload), or adapter=lora.", key="adapter.merge", value=True))
+    return out
 
 
 def lora_target_problems(m, adapter) -> List[UserError]:

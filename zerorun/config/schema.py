@@ -100,6 +100,12 @@ BERT and RoBERTa encoders)."""
 class AdapterName(str, enum.Enum):
     none = "none"
     lora = "lora"
+    qlora = "qlora"
+
+    @property
+    def adapts(self) -> bool:
+        """Adapters on a frozen base (peft): LoRA, or LoRA on a 4-bit base (QLoRA)."""
+        return self in (AdapterName.lora, AdapterName.qlora)
 
 
 class TaskName(str, enum.Enum):
@@ -305,7 +311,8 @@ class AdapterConfig:
     """Parameter-efficient fine-tuning (the peft library): the base model frozen, small adapters trained."""
 
     name: AdapterName = AdapterName.none
-    """none: every parameter trains; lora: low-rank adapters on target_modules, the rest frozen."""
+    """none: every parameter trains; lora: low-rank adapters on target_modules, the rest frozen; qlora: the same on
+    a base stored in 4-bit NF4 with double quantization (bitsandbytes), computed in the run's precision."""
     r: int = num(8, ge=1, le=4096)
     """LoRA rank: each adapted in × out projection gains r·(in + out) trainable parameters."""
     alpha: float = num(16.0, gt=0)

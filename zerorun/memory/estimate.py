@@ -21,7 +21,7 @@ from ..allocators import concrete as allocator_of
 from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
-from ..arch import lora_targets
+from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
@@ -134,6 +134,9 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
                       mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora)
+    if bd.quantized:  # each 4-bit layer dequantizes its weight into the compute dtype for forward and backward
+        largest = max((i * o for shapes in layer_linears(cfg.model).values() for i, o in shapes), default=0)
+        act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)

@@ -12,7 +12,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from ..arch import Traits, census, lora_layer_tensors, param_tensors, traits
+from ..arch import Traits, census, layer_linears, lora_layer_tensors, param_tensors, traits
 from ..config import ModelConfig, TaskName, default_task
 
 
@@ -42,6 +42,8 @@ class ParamBreakdown:
     trainable_head: Tuple[int, ...] = ()
     irregular: int = 0
     """Elements the layers hold beyond num_layers × ``layer_tensors`` (a traced model whose first layer differs)."""
+    quantized: int = 0
+    """adapter=qlora: elements of the layers' linear weights stored in 4-bit NF4 (``QLORA_BYTES`` each)."""
     active_fraction: float = 1.0
     """The share of a layer's parameters one token runs through (MoE: top-k of the experts); compute, not memory."""
 
@@ -113,17 +115,19 @@ Shape = namedtuple("Shape", ARCH_FIELDS)
 def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2, adapter=None) -> Tuple:
     """What the parameter layout depends on (a hashable cache key)."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
-    lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.value == "lora" else ()
+    lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.adapts else ()
+    quantized = sum(i * o for shapes in layer_linears(m).values() for i, o in shapes) \
+        if adapter is not None and adapter.name.value == "qlora" else 0  # every linear weight of a layer is 4-bit
     fields = [getattr(m, f) for f in ARCH_FIELDS]
     fields[-1] = json.dumps(m.hf_config, sort_keys=True)  # hashable; zerorun/arch reads it back
-    return Shape(*fields), task, num_labels, lora
+    return Shape(*fields), task, num_labels, lora, quantized
 
 
 @functools.lru_cache(maxsize=256)
 def breakdown(key: Tuple) -> ParamBreakdown:
     """The parameter tensors for a model_key (zerorun/arch); with LoRA the adapters join each layer and only they
     (and a classification head, which peft trains too) are trainable."""
-    shape, task, labels, lora = key
+    shape, task, labels, lora, quantized_per_layer = key
     emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels)
     c = census(shape, task.value, labels) if traits(shape).traced else None
     full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers,
@@ -132,7 +136,7 @@ def breakdown(key: Tuple) -> ParamBreakdown:
         return full
     trainable_head = full.head_tensors if task == TaskName.sequence_classification else ()
     return dataclasses.replace(full, layer_tensors=full.layer_tensors + lora, adapter_tensors=lora,
-                               trainable_head=trainable_head)
+                               trainable_head=trainable_head, quantized=shape.num_layers * quantized_per_layer)
 
 
 def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2,

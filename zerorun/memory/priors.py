@@ -110,7 +110,7 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
 
     m, a = cfg.model, cfg.adapter
     arch = [getattr(getattr(m, f), "value", getattr(m, f)) for f in ARCH_FIELDS]  # every field that builds the model
-    adapter = [a.name.value, a.r, a.alpha, a.dropout, list(lora_targets(m, a))] if a.name.value == "lora" else "none"
+    adapter = [a.name.value, a.r, a.alpha, a.dropout, list(lora_targets(m, a))] if a.name.adapts else "none"
     parts = {"arch": [*arch, m.dropout], "adapter": adapter, "task": plan.task.value,
              "labels": cfg.task.num_labels, "seq": cfg.data.seq_len, "micro": plan.micro_batch_size,
              "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,

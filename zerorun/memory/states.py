@@ -16,6 +16,9 @@ from .activations import DTYPE_BYTES
 from .params import ParamBreakdown
 
 MASTER_BYTES = 4
+QLORA_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per 4-bit NF4 weight with double quantization (bitsandbytes, block 64): half a byte, its block's absmax
+quantized to 8 bits (1/64), and one fp32 scale per 256 absmax blocks (QLoRA, Dettmers et al. 2023: 0.127 bits)."""
 """fp32 master copy per parameter (§2.1: the 4Ψ of K=12). DeepSpeed ZeRO-1/2/3 clone it even in
 fp32 training (stage_1_and_2.py: ``weights_partition = ....clone().to(master dtype)``; stage3.py
 ``_create_fp32_partitions``: ``converted.clone()``), so it exists for every ZeRO stage ≥ 1."""
@@ -140,7 +143,9 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
     dev: List[Tuple[str, float]] = []
     host: List[Tuple[str, float]] = []  # per rank
     nvme = 0
-    if stage < 3:
+    if bd.quantized:  # QLoRA: the layers' linear weights in 4 bits, the rest (embeddings, norms, head) in dtype
+        dev.append(("parameters", (P - bd.quantized) * p + bd.quantized * QLORA_BYTES))
+    elif stage < 3:
         dev.append(("parameters", P * p))
     else:
         persistent = bd.persistent(plan.buckets.stage3_param_persistence_threshold)

@@ -23,7 +23,7 @@ def export(trainer: Trainer) -> Optional[str]:
     if trainer.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         model = trainer.strategy.export_model(trainer.hf_model)
-        if trainer.cfg.adapter.name.value == "lora":
+        if trainer.cfg.adapter.name.adapts:
             # The adapter (adapter_config.json + adapter_model.safetensors: small) in adapter/; with
             # adapter.merge=true the merged model as a normal Hugging Face checkpoint beside it.
             model.save_pretrained(str(out / "adapter"), safe_serialization=True)

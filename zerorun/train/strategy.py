@@ -20,12 +20,13 @@ class DataParallel:
         self.cfg, self.plan = cfg, plan
 
     def module(self, model):
-        if self.cfg.trainer.activation_checkpointing:
+        ckpt = self.cfg.trainer.activation_checkpointing
+        if ckpt and self.cfg.adapter.name.value != "qlora":  # QLoRA's kbit preparation turns it on itself
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.cfg.adapter.name.value == "lora":
+        if self.cfg.adapter.name.adapts:
             from ..models import with_lora
 
-            return with_lora(model, self.cfg.model, self.cfg.adapter, self.plan.task)
+            return with_lora(model, self.cfg.model, self.cfg.adapter, self.plan.task, ckpt)
         return model
 
     def attach(self, engine, rank: int, world: int) -> None:

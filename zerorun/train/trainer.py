@@ -74,7 +74,10 @@ class Trainer:
         # Every model is built whole and DeepSpeed partitions it. transformers' zero.Init path
         # (HfDeepSpeedConfig) left weights it initialises itself (random init, and the new classifier
         # head of a pretrained encoder) unset: losses of 1e26 at step 1 under ZeRO-3 with param offload.
-        self.hf_model = build_model(cfg.model, self.task, cfg.task.num_labels)
+        quantized = cfg.precision.dtype.value if cfg.adapter.name.value == "qlora" else ""
+        self.hf_model = build_model(cfg.model, self.task, cfg.task.num_labels, quantized=quantized,
+                                    device=self.accel.device_name(self.local_rank)
+                                    if quantized and self.plan.world.accelerator == "cuda" else "cpu")
         module = self.strategy.module(self.hf_model)
         trainable = [p for p in module.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = self.deepspeed.initialize(
@@ -256,11 +259,11 @@ class Trainer:
                                       "global_batch": self.plan.global_batch_size,
                                       "optimizer": self.plan.optimizer.value},
                                at_point=interrupts.save_hook(self.rank, step, root),
-                               frozen_base=self.cfg.adapter.name.value == "lora")
+                               frozen_base=self.cfg.adapter.name.adapts)
 
     def resume(self, ckpt_root, tag: str) -> None:
         client_state, rng = checkpoint.load(self.engine, ckpt_root, tag, rank=self.rank,
-                                            frozen_base=self.cfg.adapter.name.value == "lora")
+                                            frozen_base=self.cfg.adapter.name.adapts)
         self.start_step = int(client_state["step"])
         # Step k takes the k-th global batch whatever the split (RankSampler), so the position follows
         # from the step: exact also when the micro-batch, accumulation or rank count changed since the save.
