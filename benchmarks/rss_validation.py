@@ -142,7 +142,8 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     if pipeline:
         ovs += ["parallel=pipeline", "parallel.micro_batches=4"]
     if (decoder or model == "encoder") and rng.random() < 0.5:  # LoRA: ZeRO-0/1/2 (random_points redraws stage 3)
-        ovs += ["adapter=lora", f"adapter.r={rng.choice((4, 8, 16))}"]
+        adapter = rng.choice(("lora", "qlora")) if decoder else "lora"  # QLoRA: a 4-bit base (bitsandbytes' CPU kernels)
+        ovs += [f"adapter={adapter}", f"adapter.r={rng.choice((4, 8, 16))}"]
     if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
         ovs += [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]
     return ovs
@@ -160,7 +161,7 @@ def random_points(n: int, seed: int, data_dir: Path, models=MODELS) -> List[List
     while len(out) < n:
         ovs = draw(rng, data_dir, models)
         cfg = compose([*BASE, *[o for o in ovs if not o.startswith("data.path")]])
-        lora_stage3 = cfg.adapter.name.value == "lora" and cfg.zero.stage == 3  # refused at launch
+        lora_stage3 = cfg.adapter.name.adapts and cfg.zero.stage == 3  # refused at launch
         if not check(cfg, plan_world(cfg, hw)) and not lora_stage3:
             out.append(ovs)
     return out

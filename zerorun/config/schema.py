@@ -323,6 +323,9 @@ class AdapterConfig:
     """Module names to adapt (peft's suffix match); empty: the family's default (peft's own: q/v projections)."""
     merge: bool = False
     """Export the merged model as a plain Hugging Face checkpoint as well as the adapter."""
+    autofit_qlora: bool = False
+    """gate=autofit with adapter=lora may store the frozen base in 4-bit (adapter=qlora) when nothing else fits
+    (it changes the base's numerics, so only when allowed)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
+from ..config import (AdapterName, Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, UserError, World,
                       bucket_sizes, data_parallel_size, layouts, make_plan, params_offloaded,
                       small_bucket_sizes)
 from ..allocators import concrete as allocator_of
@@ -87,6 +87,8 @@ class _Knobs:
     """Switch adamw to adamw8bit (only with optimizer.autofit_8bit)."""
     low_mmap: bool = False
     """CPU ranks: launcher.mmap_threshold_mib=1 (freed activations go back to the OS; slower steps)."""
+    qlora: bool = False
+    """adapter=lora → qlora: the frozen base in 4-bit (only with adapter.autofit_qlora)."""
 
 
 def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple[RunConfig, List[Change]]:
@@ -139,6 +141,12 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "8-bit optimizer states: ~2 instead of 8 bytes per parameter (allowed by "
                               "optimizer.autofit_8bit; the numerics change slightly)"))
         new_opt = dataclasses.replace(new_opt, name=OptimizerName.adamw8bit)
+    new_ad = cfg.adapter
+    if k.qlora and cfg.adapter.name == AdapterName.lora:
+        changes.append(Change("adapter.name", "lora", "qlora",
+                              "the frozen base in 4-bit NF4: ~0.52 instead of 2-4 bytes per weight of its layers "
+                              "(allowed by adapter.autofit_qlora; the base's numerics change)"))
+        new_ad = dataclasses.replace(new_ad, name=AdapterName.qlora)
     new_la = cfg.launcher
     if k.low_mmap and _mmap_lowerable(cfg):
         if allocator_of(cfg.launcher) != Allocator.glibc:
@@ -158,7 +166,7 @@ def _apply(cfg: RunConfig, world: World, k: _Knobs, pinned_global: int) -> Tuple
                               "the pipeline streams that many smaller micro-batches per step"))
         new_par = dataclasses.replace(new_par, micro_batches=accum)
     new = dataclasses.replace(cfg, trainer=new_tr, zero=new_z, offload=new_off, parallel=new_par, optimizer=new_opt,
-                              launcher=new_la)
+                              launcher=new_la, adapter=new_ad)
     return new, changes
 
 
@@ -179,6 +187,8 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
     user_device = OffloadDevice(off.device)
     may_8bit = cfg.optimizer.autofit_8bit and cfg.optimizer.name == OptimizerName.adamw \
         and cfg.parallel.mode == ParallelMode.dp and _has_bitsandbytes()
+    may_qlora = cfg.adapter.autofit_qlora and cfg.adapter.name == AdapterName.lora and _has_bitsandbytes() \
+        and not cfg.adapter.merge
     out = []
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         if layout.stage < z.stage:
@@ -195,7 +205,8 @@ def _candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[_Knobs
                 for ckpt in ([False, True] if not tr.activation_checkpointing else [True]):
                     for low in ([False, True] if world.accelerator == "cpu" and _mmap_lowerable(cfg) else [False]):
                         for micro in micros:
-                            out.append(_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low))
+                            out += [_Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q)
+                                    for q in ([False, True] if may_qlora else [False])]
     return sorted(out, key=_ladder_rank)
 
 
@@ -204,7 +215,7 @@ def _ladder_rank(k: _Knobs) -> Tuple:
     states, stage, small buckets, checkpointing, a low mmap threshold (CPU ranks) and a smaller micro-batch each
     weigh more than everything after them. The runtime OOM repair climbs it; autofit breaks ties with it."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
-    return (tier == 2, tier >= 1, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
+    return (tier == 2, tier >= 1, k.qlora, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
 
 
 SPEED_TIE = 0.03
