@@ -140,8 +140,8 @@ def adapter_line(M, cfg, world, hw) -> str:
             continue
         e = M.estimate(c, make_plan(c, world), hw)
         label = {"none": "full", "lora": "LoRA", "qlora": "QLoRA"}[name.value]
-        out.append(f"{label} {_gib(e.per_rank_peak_bytes)} (at most {_gib(e.bound_bytes)}"
-                   f"{'' if e.fits else ', does not fit'})")
+        short = "" if e.fits else (", does not fit" if not e.fits_device else ", host RAM short")
+        out.append(f"{label} {_gib(e.per_rank_peak_bytes)} (at most {_gib(e.bound_bytes)}{short})")
     unit = "GPU" if hw.accelerator == "cuda" else "rank"
     where = "the composed layout" + (", adapters at ZeRO-2" if cfg.zero.stage == 3 else "")
     return f"by adapter ({where}), per {unit}: " + "; ".join(out)
