@@ -1,5 +1,5 @@
 """adapter=qlora: what the rules refuse, and what the gate counts for a 4-bit base (pure; the e2e run is
-tests/e2e/test_qlora.py)."""
+tests/e2e/test_qlora_runs.py)."""
 import pytest
 
 from helpers import A100_8, GPU8, composed, planned
