@@ -27,11 +27,13 @@ system-deps:
 	  else echo "note: not root or no apt-get: install $(SYSTEM_PKGS) yourself (NVMe offload is refused without libaio; CPU ranks run glibc's malloc, slower, without tcmalloc)"; fi; \
 	fi
 
-# The demo builds DeepSpeed's CPU ops too (~3 min once per venv), so `make test` after it reuses them.
-demo: ops
+# The demo builds only the DeepSpeed op its job loads (CPU ranks' shared-memory comm, ~40 s once per venv);
+# a run that needs another (offload=cpu: cpu_adam, offload=nvme: async_io) builds it before its ranks start.
+demo: system-deps $(VENV)/.installed
+	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild --for demo
 	$(VENV)/bin/zerorun
 
-# DeepSpeed's CPU ops (cpu_adam, async_io, shm comm) compiled once, before any timed-out rank start.
+# All of DeepSpeed's CPU ops (shm comm, cpu_adam, async_io: ~6 min on 2 cores) compiled once, before the tests.
 ops: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
