@@ -68,6 +68,11 @@ PATHS = [
     ("tokenizer-missing", ["data.tokenizer=/no/such/dir"], {}, "data.tokenizer=/no/such/dir: no such directory"),
     ("tokenizer-is-file", ["data.tokenizer={file}"], {}, "data.tokenizer="),
     ("tokenizer-bad-name", ["data.tokenizer='not a name!'"], {}, "neither a local directory nor a Hugging Face"),
+    # A directory without a tokenizer (transformers raised AttributeError or asked for protobuf: issue 34).
+    ("tokenizer-empty-dir", ["data.tokenizer={empty_dir}"], {}, "data.tokenizer={empty_dir}: holds no tokenizer"),
+    ("tokenizer-config-only", ["data.tokenizer={config_dir}"], {}, "data.tokenizer={config_dir}: holds no tokenizer"),
+    ("pretrained-without-tokenizer", ["+model=hf", "model.name_or_path={config_dir}", "model.pretrained=true"], {},
+     "data.tokenizer=auto with model.pretrained=true"),
     ("resume-from-missing", ["trainer.resume_from=/no/such/run"], {}, "trainer.resume_from=/no/such/run"),
     ("resume-from-file", ["trainer.resume_from={file}"], {}, "is a file, not a run dir"),
     ("resume-from-empty", ["trainer.resume_from={empty_dir}"], {}, "no complete checkpoint was found there"),
@@ -142,6 +147,9 @@ def places(tmp_path, monkeypatch, cache_dir):
     (tmp_path / "a_file.txt").write_text("some text\n")
     (tmp_path / "a_dir").mkdir()
     (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "config_dir").mkdir()  # a checkpoint's config.json alone: no tokenizer, no weights
+    (tmp_path / "config_dir" / "config.json").write_text(
+        '{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000, "n_positions": 128}')
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": 0}\n{"text": oops\n')
     (tmp_path / "rows.csv").write_text("review,stars\nnice,1\n")
@@ -151,7 +159,7 @@ def places(tmp_path, monkeypatch, cache_dir):
     used.mkdir(parents=True)
     (used / "COMPLETE").write_text('{"step": 2, "files": {}}')
     return {"file": str(tmp_path / "a_file.txt"), "dir": str(tmp_path / "a_dir"),
-            "empty_dir": str(tmp_path / "empty_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run"),
+            "empty_dir": str(tmp_path / "empty_dir"), "config_dir": str(tmp_path / "config_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run"),
             "fifo": str(tmp_path / "a_fifo"), "bert_run": str(tmp_path / "bert_run")}
 
 

@@ -28,7 +28,10 @@ FIXES = {
 }
 CACHE_ENV = "ZERORUN_CACHE"
 """The environment variable naming zerorun's cache when data.cache_dir is empty (data/prepare.py cache_root)."""
-KEY_FIXES = {"offload.nvme_path": "point it at a directory on a local NVMe disk you can write to."}
+KEY_FIXES = {"offload.nvme_path": "point it at a directory on a local NVMe disk you can write to.",
+             "data.tokenizer": "point data.tokenizer at a directory a tokenizer was saved to (save_pretrained), a hub "
+                               "name when online, or data.tokenizer=auto (a byte-level BPE sized to the model's "
+                               "vocabulary, trained on the data)."}
 
 
 def _unused(cfg: RunConfig, key: str) -> bool:
@@ -116,6 +119,26 @@ def source_problem(value: str) -> Optional[str]:
     return None
 
 
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("spiece.model",), ("sentencepiece.bpe.model",),
+                   ("vocab.txt",), ("vocab.json", "merges.txt"), ("tiktoken.model",))
+"""What a saved tokenizer holds, one of these sets in full: the fast tokenizer's tokenizer.json; a SentencePiece
+model (Llama, T5, XLM-R); WordPiece's vocab.txt (BERT); byte-level BPE's vocab.json and merges.txt (GPT-2,
+RoBERTa); a tiktoken file. tokenizer_config.json alone is not one: it names a class, not a vocabulary."""
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the directory ``path`` holds a tokenizer (``TOKENIZER_FILES``): stat calls, nothing loaded."""
+    return any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in TOKENIZER_FILES)
+
+
+def tokenizer_problem(value: str) -> Optional[str]:
+    """data.tokenizer: ``source_problem``, and a local directory must hold a tokenizer."""
+    why = source_problem(value)
+    if why or value.startswith("pkg://") or not looks_local(value) or has_tokenizer(expand(value)):
+        return why
+    return ("holds no tokenizer (" + ", ".join(" + ".join(f) for f in TOKENIZER_FILES[:6]) + ")")
+
+
 def resume_problem(path: str) -> Optional[str]:
     kind = kind_of(expand(path))
     if kind is None:
@@ -129,6 +152,9 @@ def dir_kind_problem(path: str) -> Optional[str]:
     """Something other than a directory where zerorun would write into one, or None."""
     kind = kind_of(expand(path))
     return None if kind in (None, KINDS[stat.S_IFDIR]) else f"is {kind}, not a directory"
+
+
+KEY_CHECKS = {"data.tokenizer": tokenizer_problem}
 
 
 def path_problems(cfg: RunConfig, writable: Callable[[str], Optional[str]],
@@ -157,7 +183,7 @@ def path_problems(cfg: RunConfig, writable: Callable[[str], Optional[str]],
         kind = f.metadata.get("path")
         if kind is None or not value or _unused(cfg, key) or kind not in checks:
             continue
-        found = problem(value, checks[kind], KEY_FIXES.get(key, FIXES[kind]))
+        found = problem(value, KEY_CHECKS.get(key, checks[kind]), KEY_FIXES.get(key, FIXES[kind]))
         if found:
             out.append(UserError(f"{key}={value}: {found[0]}.", found[1], key=key, value=value))
     cache = (os.environ if environ is None else environ).get(CACHE_ENV, "")

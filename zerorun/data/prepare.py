@@ -19,7 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from ..config import DataConfig, DataError, ModelConfig, TaskName
-from ..config.paths import CACHE_ENV, expand
+from ..config.paths import CACHE_ENV, expand, has_tokenizer
 from ..config.rules import BUILTIN_DATASETS
 from ..manifest import manifest, mismatch, write_durably
 from ..models import resolve_pkg_path
@@ -61,10 +61,25 @@ def load_tokenizer(spec: str):
         return AutoTokenizer.from_pretrained(spec, local_files_only=not os.path.isdir(spec) and not hub_reachable())
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError for a malformed name
         raise DataError(
-            f"tokenizer '{spec}' could not be loaded ({str(e).splitlines()[0]}). Fix: with no network, point "
+            f"tokenizer '{spec}' could not be loaded ({_first_line(e)}). Fix: with no network, point "
             "data.tokenizer (or model.name_or_path) at a local tokenizer directory, or use data.tokenizer=auto "
-            "with model.pretrained=false."
+            "with model.pretrained=false.", key="data.tokenizer", value=spec
         ) from None
+    except ImportError as e:  # a slow tokenizer's converter needs sentencepiece or protobuf (pip install zerorun has both)
+        raise DataError(
+            f"tokenizer '{spec}' needs a package this environment lacks ({_first_line(e)}). Fix: pip install "
+            "sentencepiece protobuf, or point data.tokenizer at a directory with a tokenizer.json.",
+            key="data.tokenizer", value=spec) from None
+    except (AttributeError, TypeError, KeyError) as e:  # transformers on files it cannot read as any tokenizer
+        raise DataError(
+            f"tokenizer '{spec}' could not be read as a tokenizer ({type(e).__name__}: {_first_line(e)}). Fix: point "
+            "data.tokenizer at a directory a tokenizer was saved to (save_pretrained), or data.tokenizer=auto.",
+            key="data.tokenizer", value=spec) from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,12 +173,21 @@ def _source_fingerprint(data: DataConfig, task: str, seed: int) -> dict:
 
 def tokenizer_spec(data: DataConfig, model: ModelConfig) -> str:
     """Which tokenizer to use. auto: the checkpoint's own when it can be read here (pretrained,
-    or a local/packaged checkpoint), the bundled BERT-uncased WordPiece for the BERT family,
-    else a byte-level BPE trained on the corpus."""
+    or a local/packaged checkpoint that holds one), the bundled BERT-uncased WordPiece for the BERT family,
+    else a byte-level BPE trained on the corpus, sized to the model's vocabulary. A local directory with a
+    config.json alone (no tokenizer files) is planned and trained from like random init; pretrained weights
+    without their tokenizer are refused (one line naming data.tokenizer)."""
     if data.tokenizer != "auto":
         return data.tokenizer
-    if model.name_or_path and (model.pretrained or model.name_or_path.startswith("pkg://")
-                               or os.path.isdir(model.name_or_path)):
+    local = bool(model.name_or_path) and os.path.isdir(expand(model.name_or_path))
+    if local and not has_tokenizer(expand(model.name_or_path)):
+        if model.pretrained:
+            raise DataError(
+                f"data.tokenizer=auto with model.pretrained=true uses the checkpoint's own tokenizer, but "
+                f"model.name_or_path={model.name_or_path} holds none. Fix: data.tokenizer=<the directory or hub name "
+                "of the tokenizer these weights were trained with>, or save it beside them (save_pretrained).",
+                key="data.tokenizer", value=data.tokenizer)
+    elif model.name_or_path and (model.pretrained or model.name_or_path.startswith("pkg://") or local):
         return model.name_or_path
     from ..arch import bundled_tokenizer
 
