@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-fast test-explore system-deps install ops gpu-validate
+.PHONY: demo test test-fast test-explore test-user-install system-deps install ops gpu-validate
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,11 +27,13 @@ system-deps:
 	  else echo "note: not root or no apt-get: install $(SYSTEM_PKGS) yourself (NVMe offload is refused without libaio; CPU ranks run glibc's malloc, slower, without tcmalloc)"; fi; \
 	fi
 
-# The demo builds DeepSpeed's CPU ops too (~3 min once per venv), so `make test` after it reuses them.
-demo: ops
+# The demo builds only the DeepSpeed op its job loads (CPU ranks' shared-memory comm, ~40 s once per venv);
+# a run that needs another (offload=cpu: cpu_adam, offload=nvme: async_io) builds it before its ranks start.
+demo: system-deps $(VENV)/.installed
+	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild --for demo
 	$(VENV)/bin/zerorun
 
-# DeepSpeed's CPU ops (cpu_adam, async_io, shm comm) compiled once, before any timed-out rank start.
+# All of DeepSpeed's CPU ops (shm comm, cpu_adam, async_io: ~6 min on 2 cores) compiled once, before the tests.
 ops: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
@@ -42,6 +44,12 @@ test: system-deps $(VENV)/.installed ops
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit tests
+
+# zerorun as a user installs it: `pip install .` (no extras) into a venv of its own (made once per dependency list;
+# FRESH=1 makes it anew), then real 2-rank jobs from a directory holding only a config.json (GPT-2 and Llama types;
+# `make test` runs the GPT-2 one). Cold: ~2.5 min of install and ~1 min of op build on 2 cores; warm ~1 min a job.
+test-user-install: system-deps $(VENV)/.installed
+	ZERORUN_USER_VENV_FRESH=$(if $(FRESH),1,0) ZERORUN_USER_INSTALL_ALL=1 $(PY) -m pytest -v -rs -s tests/e2e/test_user_install.py
 
 # The property tests (Hypothesis) with new random examples each run; `make test` replays fixed ones.
 test-explore: $(VENV)/.installed

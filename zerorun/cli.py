@@ -104,6 +104,9 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         say(("CPU ranks' allocator: " if world.accelerator == "cpu" else "allocator: ") + alloc.why
             + ("; mmap threshold 1 MiB (freed activations go back to the OS)" if glibc_mmap else ""))
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
+        from .process_probe import micro_config
+
+        ensure_ops(micro_config(cfg), world.accelerator)  # what the micro rank loads
         calibration.ensure_baseline(cfg, hw, log=say)
     cal = calibration.calibration_for(cfg, hw if here else None)
     gate_world = plan_world(cfg, plan_hw)
@@ -113,6 +116,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         if plan_hw.device_name != hw.device_name:
             say("gate=calibrate measures this machine, but hardware.* plans for another: gating with priors.")
         elif calibration.has_correction(cfg, hw, cal) is None:
+            ensure_ops(cfg, world.accelerator)
             record = calibration.probe(cfg, hw, prepared, run_dir.path / "calibration", log=say)
             say(f"calibrated in {record['seconds']:.0f} s: {record['measure']} {record['measured_bytes'] / GIB:.2f} GiB "
                 f"measured, {record['estimated_bytes'] / GIB:.2f} GiB estimated; the correction "
@@ -135,6 +139,15 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         f"{'GPU' if est.device == 'cuda' else 'rank'} (peak in {est.peak_phase}; largest: "
         + ", ".join(f"{k} {v / GIB:.2f}" for k, v in est.top(3)) + f") [gate={cfg.gate.value}; {est.calibration}]")
     return cfg, decision
+
+
+def ensure_ops(cfg: RunConfig, accelerator: str) -> None:
+    """DeepSpeed's JIT ops that ranks of ``cfg`` load, built now if they are not (a line each), so no rank
+    compiles in silence; a few stat calls when they are. Dry runs build nothing."""
+    from . import ops
+
+    if not cfg.dry_run:
+        ops.ensure(ops.needed_for(cfg, accelerator), accelerator, log=say)
 
 
 def _launch(raw: DictConfig, run_dir: RunDir) -> Outcome:
@@ -213,6 +226,7 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
                              "predicted_step": speed.predict_step_time(cfg, plan).to_json()})
     if cfg.offload.device == OffloadDevice.nvme:
         Path(cfg.offload.nvme_path).mkdir(parents=True, exist_ok=True)
+    ensure_ops(cfg, world.accelerator)  # after the gate: autofit may have moved the run to offload
     lp = _launch_plan(cfg, plan, run_dir, hw)
     if lp.launcher == "deepspeed" and lp.nnodes > 1 and not lp.hostfile:  # per node: shared run dirs differ
         Path(launcher.node_hostfile_path(lp.run_dir, lp.node_rank)).write_text(

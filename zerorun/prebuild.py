@@ -1,39 +1,62 @@
-"""``python -m zerorun.prebuild``: compile DeepSpeed's JIT ops for this machine once, up front.
+"""``python -m zerorun.prebuild [OP ...] [--for demo]``: compile DeepSpeed's JIT ops for this machine up front.
 
-Otherwise the first run that needs them (CPU offload: cpu_adam; NVMe offload: async_io; CPU ranks:
-the shared-memory comm op) compiles them inside every rank's start-up, which takes minutes on a
-small machine. GPU images build theirs at `docker build` time (docker/Dockerfile).
+No argument: every op zerorun may load (zerorun.ops.OPS: the CPU ranks' shared-memory comm, cpu_adam for
+optimizer offload, async_io for NVMe offload), as `make ops`/`make test` do; an op this machine cannot build
+(async_io without libaio) is skipped. ``OP ...``: those only. ``--for demo``: the ones the default job
+(`zerorun` with no arguments) loads on this machine, as `make demo` does. Otherwise zerorun's launcher builds
+what a run needs before its ranks start (zerorun.ops.ensure), and GPU images build theirs at `docker build`
+time (docker/Dockerfile). Builds go where the ranks look (launcher.rank_env's TORCH_EXTENSIONS_DIR).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
+from typing import List, Optional, Sequence
 
-from .hardware import libaio_available
+from .ops import OPS, extensions_dir_in_use
 
 
-def main() -> int:
-    import os
+def demo_ops() -> List[str]:
+    """The ops the default job loads on this machine."""
+    from .config import compose, plan_world
+    from .hardware import detect
+    from .ops import needed_for
 
-    from .launcher import extensions_dir
+    cfg = compose([])
+    return [name for name, _ in needed_for(cfg, plan_world(cfg, detect()).accelerator)]
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())  # where the ranks will look (launcher.rank_env)
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zerorun.prebuild", description=__doc__.splitlines()[0])
+    ap.add_argument("ops", nargs="*", metavar="OP", help=f"of {', '.join(OPS)} (default: all)")
+    ap.add_argument("--for", dest="purpose", choices=["demo"], help="the ops the default job loads")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.ops if n not in OPS]
+    if unknown:
+        print(f"zerorun prebuild: error: unknown op {', '.join(unknown)}. Fix: name one of {', '.join(OPS)}.",
+              file=sys.stderr)
+        return 2
+    names = args.ops or (demo_ops() if args.purpose == "demo" else list(OPS))
+    strict = bool(args.ops)  # ops asked for by name must build; "all" skips what this machine cannot build
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir_in_use()  # where the ranks will look (launcher.rank_env)
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
-    names = ["CPUAdamBuilder"]
-    if accel.device_name() == "cpu":
-        names.append("ShareMemCommBuilder")
-    if libaio_available():
-        names.append("AsyncIOBuilder")
     for name in names:
-        builder = accel.create_op_builder(name)
+        builder = accel.create_op_builder(OPS[name].builder)
         if builder is None or not builder.is_compatible(verbose=False):
-            print(f"zerorun prebuild: {name} not available on this machine, skipped", file=sys.stderr)
+            print(f"zerorun prebuild: {name} cannot build on this machine ({accel.device_name()} accelerator)"
+                  + ("" if strict else ", skipped"), file=sys.stderr)
+            if strict:
+                return 1
             continue
         t0 = time.time()
         builder.load(verbose=False)
         print(f"zerorun prebuild: {name} ready ({time.time() - t0:.0f} s)", file=sys.stderr)
+    if not names:
+        print("zerorun prebuild: nothing to build", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,116 @@
+"""DeepSpeed's JIT-compiled ops: which a run loads, whether they are built, and building them before ranks start.
+
+DeepSpeed compiles an op the first time a process loads it (OpBuilder.jit_load → torch.utils.cpp_extension.load,
+which builds TORCH_EXTENSIONS_DIR/<name>/<name>.so). Inside the ranks that is minutes of silence per op, in every
+rank at once; so the launcher builds what the run will load first, with one line saying what and why
+(`make demo` builds the demo's only; `make ops` and `make test` build all). ``needed`` is pure; ``built`` is a
+few stat calls (it imports nothing), so a launch whose ops are built pays nothing.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Mapping, Sequence, Tuple
+
+from .config.errors import UserError
+from .config.rules import OptimizerImpl, optimizer_impl
+from .config.schema import OffloadDevice, RunConfig
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    """DeepSpeed's op name: the build folder and library under TORCH_EXTENSIONS_DIR (<name>/<name>.so)."""
+    builder: str
+    """The accelerator's builder class (get_accelerator().create_op_builder)."""
+    package: str
+    """deepspeed/ops/<package>/: where DeepSpeed keeps the op when it was built at install time (DS_BUILD_*=1)."""
+    seconds: int
+    """Its build on 2 cores (issue 36: a clean clone's `make ops`), for the progress line."""
+
+
+OPS: Dict[str, Op] = {op.name: op for op in (
+    Op("deepspeed_shm_comm", "ShareMemCommBuilder", "comm", 38),
+    Op("cpu_adam", "CPUAdamBuilder", "adam", 56),
+    Op("async_io", "AsyncIOBuilder", "aio", 258),
+)}
+
+
+def needed(accelerator: str, optimizer: OptimizerImpl, offload: OffloadDevice) -> Tuple[Tuple[str, str], ...]:
+    """The JIT ops a rank of this kind loads, each with why: CPU ranks' collectives go through the shared-memory
+    op (DeepSpeed's TorchBackend builds it at init), DeepSpeedCPUAdam steps offloaded optimizer states, NVMe
+    offload swaps through async I/O. torch's AdamW (CPU ranks without offload), client optimizers and CUDA's
+    NCCL load none."""
+    offload = OffloadDevice(offload)
+    out = []
+    if accelerator == "cpu":
+        out.append(("deepspeed_shm_comm", "CPU ranks"))
+    if OptimizerImpl(optimizer) == OptimizerImpl.cpu_adam:
+        out.append(("cpu_adam", f"offload={offload.value}"))
+    if offload == OffloadDevice.nvme:
+        out.append(("async_io", "offload=nvme"))
+    return tuple(out)
+
+
+def needed_for(cfg: RunConfig, accelerator: str) -> Tuple[Tuple[str, str], ...]:
+    """``needed`` for a config on ranks of ``accelerator`` (the optimizer as make_plan picks it)."""
+    offload = OffloadDevice(cfg.offload.device)
+    offload_optimizer = cfg.zero.stage >= 1 and offload != OffloadDevice.none
+    return needed(accelerator, optimizer_impl(accelerator, offload_optimizer, cfg.optimizer.name), offload)
+
+
+def extensions_dir_in_use(env: Mapping[str, str] = os.environ) -> str:
+    """Where ranks started with ``env`` find their ops: its TORCH_EXTENSIONS_DIR, else zerorun's per-environment
+    folder (launcher.rank_env sets that one for the ranks)."""
+    from .launcher import extensions_dir
+
+    return env.get("TORCH_EXTENSIONS_DIR") or extensions_dir()
+
+
+def built(name: str, ext_dir: str) -> bool:
+    """Whether ``name`` loads without a compile: torch's JIT library in ``ext_dir``, or DeepSpeed's own build of
+    it (an install with DS_BUILD_*=1, as docker/Dockerfile does). Stat calls only: nothing is imported."""
+    if os.path.isfile(os.path.join(ext_dir, name, name + ".so")):
+        return True
+    spec = importlib.util.find_spec("deepspeed")  # a top-level package: found, not imported
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any(glob.glob(os.path.join(root, "ops", OPS[name].package, f"{name}_op*.so")) for root in roots)
+
+
+def _about(seconds: int) -> str:
+    return f"~{seconds} s" if seconds < 90 else f"~{round(seconds / 60)} min"
+
+
+def ensure(ops: Sequence[Tuple[str, str]], accelerator: str, log: Callable[[str], None], ext_dir: str = "") -> None:
+    """Build each op of ``ops`` that is not built yet in ``ext_dir`` (default: where the ranks will look), one
+    line before and after each; a failed build is a UserError naming the op and its log (the ranks would only
+    fail the same way)."""
+    ext_dir = ext_dir or extensions_dir_in_use()
+    for name, why in ops:
+        if built(name, ext_dir):
+            continue
+        log(f"building DeepSpeed's {name} op for {why} (once per environment, {_about(OPS[name].seconds)} "
+            f"on 2 cores) ...")
+        os.makedirs(ext_dir, exist_ok=True)
+        log_path = os.path.join(ext_dir, f"{name}.build.log")
+        child = {**os.environ, "TORCH_EXTENSIONS_DIR": ext_dir}
+        if accelerator == "cpu":
+            child["DS_ACCELERATOR"] = "cpu"
+        t0 = time.perf_counter()
+        with open(log_path, "w") as out:
+            rc = subprocess.run([sys.executable, "-m", "zerorun.prebuild", name], env=child, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        if rc != 0 or not built(name, ext_dir):
+            lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+            raise UserError(
+                f"DeepSpeed's {name} op (needed for {why}) did not build: {lines[-1].strip() if lines else f'exit {rc}'}"
+                f" (whole log: {log_path}).",
+                "install a C++ compiler and Python's headers (apt-get install build-essential python3-dev"
+                + (", libaio-dev" if name == "async_io" else "") + f"), then rerun; `python -m zerorun.prebuild "
+                f"{name}` shows the build.", key="ops", value=name)
+        log(f"{name} op built in {time.perf_counter() - t0:.0f} s ({ext_dir}).")
