@@ -8,14 +8,19 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test test-fast test-explore test-user-install system-deps install ops gpu-validate
 
+# What a user installs (the demo needs nothing more), then the test extras on top for `make test`.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install $(TORCH)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-test
 
 # libaio for NVMe offload (DeepSpeed async_io); tcmalloc (CPU ranks' default allocator, launcher.allocator) and
 # jemalloc (its fallback, tested). Needs root/apt; elsewhere zerorun falls back to glibc and says how to install.
@@ -34,31 +39,31 @@ demo: system-deps $(VENV)/.installed
 	$(VENV)/bin/zerorun
 
 # All of DeepSpeed's CPU ops (shm comm, cpu_adam, async_io: ~6 min on 2 cores) compiled once, before the tests.
-ops: system-deps $(VENV)/.installed
+ops: system-deps $(VENV)/.installed-test
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
-test: system-deps $(VENV)/.installed ops
+test: system-deps $(VENV)/.installed-test ops
 	$(PY) -m pytest -v -rs --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
 	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 
 # Seconds: the pure unit tier only (no subprocess, no engine). `make test` runs every tier.
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m unit tests
 
 # zerorun as a user installs it: `pip install .` (no extras) into a venv of its own (made once per dependency list;
 # FRESH=1 makes it anew), then real 2-rank jobs from a directory holding only a config.json (GPT-2 and Llama types;
 # `make test` runs the GPT-2 one). Cold: ~2.5 min of install and ~1 min of op build on 2 cores; warm ~1 min a job.
-test-user-install: system-deps $(VENV)/.installed
+test-user-install: system-deps $(VENV)/.installed-test
 	ZERORUN_USER_VENV_FRESH=$(if $(FRESH),1,0) ZERORUN_USER_INSTALL_ALL=1 $(PY) -m pytest -v -rs -s tests/e2e/test_user_install.py
 
 # The property tests (Hypothesis) with new random examples each run; `make test` replays fixed ones.
-test-explore: $(VENV)/.installed
+test-explore: $(VENV)/.installed-test
 	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -q -m unit \
 		$$(grep -l hypothesis tests/unit/*.py)
 
 # On a machine with NVIDIA GPUs: the memory matrix at OOM level (reserved peak; context + NCCL + reserved from the
 # driver's mem_get_info) against the gate, written to benchmarks/results/ (commit it: the priors become facts).
 GPUS ?= 1
-gpu-validate: $(VENV)/.installed
+gpu-validate: $(VENV)/.installed-test
 	mkdir -p benchmarks/results
 	$(PY) benchmarks/validate_memory_gpu.py --nproc $(GPUS) --json benchmarks/results/gpu-validation-$(GPUS)gpu.json
