@@ -156,6 +156,12 @@ def pretrained_problems(m: ModelConfig) -> List[UserError]:
         if not os.path.isfile(os.path.join(path, "config.json")):
             return [UserError(f"model.name_or_path={m.name_or_path}: no config.json there, so it is not a Hugging "
                               "Face checkpoint.", key=key, value=value)]
+        if not any(name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))
+                   for name in os.listdir(path)):
+            return [UserError(f"model.name_or_path={m.name_or_path}: a config.json but no weights "
+                              "(*.safetensors or pytorch_model.bin) to load with model.pretrained=true.",
+                              "model.pretrained=false to train it from random init, or the directory the weights "
+                              "were saved to.", key="model.pretrained", value=True)]
         return []
     if m.name_or_path.startswith(("/", ".", "pkg://")):
         return [UserError(f"model.name_or_path={m.name_or_path}: no such directory.", key=key, value=value)]

@@ -71,8 +71,10 @@ PATHS = [
     # A directory without a tokenizer (transformers raised AttributeError or asked for protobuf: issue 34).
     ("tokenizer-empty-dir", ["data.tokenizer={empty_dir}"], {}, "data.tokenizer={empty_dir}: holds no tokenizer"),
     ("tokenizer-config-only", ["data.tokenizer={config_dir}"], {}, "data.tokenizer={config_dir}: holds no tokenizer"),
-    ("pretrained-without-tokenizer", ["+model=hf", "model.name_or_path={config_dir}", "model.pretrained=true"], {},
+    ("pretrained-without-tokenizer", ["+model=hf", "model.name_or_path={weights_dir}", "model.pretrained=true"], {},
      "data.tokenizer=auto with model.pretrained=true"),
+    ("pretrained-without-weights", ["+model=hf", "model.name_or_path={config_dir}", "model.pretrained=true"], {},
+     "a config.json but no weights"),
     ("resume-from-missing", ["trainer.resume_from=/no/such/run"], {}, "trainer.resume_from=/no/such/run"),
     ("resume-from-file", ["trainer.resume_from={file}"], {}, "is a file, not a run dir"),
     ("resume-from-empty", ["trainer.resume_from={empty_dir}"], {}, "no complete checkpoint was found there"),
@@ -150,6 +152,9 @@ def places(tmp_path, monkeypatch, cache_dir):
     (tmp_path / "config_dir").mkdir()  # a checkpoint's config.json alone: no tokenizer, no weights
     (tmp_path / "config_dir" / "config.json").write_text(
         '{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000, "n_positions": 128}')
+    (tmp_path / "weights_dir").mkdir()  # config.json and weights, no tokenizer
+    (tmp_path / "weights_dir" / "config.json").write_text((tmp_path / "config_dir" / "config.json").read_text())
+    (tmp_path / "weights_dir" / "model.safetensors").write_bytes(b"")  # never read: the tokenizer check is first
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": 0}\n{"text": oops\n')
     (tmp_path / "rows.csv").write_text("review,stars\nnice,1\n")
@@ -159,7 +164,8 @@ def places(tmp_path, monkeypatch, cache_dir):
     used.mkdir(parents=True)
     (used / "COMPLETE").write_text('{"step": 2, "files": {}}')
     return {"file": str(tmp_path / "a_file.txt"), "dir": str(tmp_path / "a_dir"),
-            "empty_dir": str(tmp_path / "empty_dir"), "config_dir": str(tmp_path / "config_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run"),
+            "empty_dir": str(tmp_path / "empty_dir"), "config_dir": str(tmp_path / "config_dir"),
+            "weights_dir": str(tmp_path / "weights_dir"), "tmp": str(tmp_path), "used_run": str(tmp_path / "used_run"),
             "fifo": str(tmp_path / "a_fifo"), "bert_run": str(tmp_path / "bert_run")}
 
 
