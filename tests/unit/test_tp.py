@@ -44,13 +44,13 @@ def test_an_encoder_is_refused_naming_the_families_that_train():
 def test_tp_beyond_the_key_value_heads_is_refused_with_the_sizes_that_fit():
     [p] = problems(*TP2[:2], "parallel.tp_size=4", world=World(4, 1, "cpu", False))  # tiny-llama: 2 KV heads
     assert p.key == "parallel.tp_size" and p.value == 4 and "exceeds the 2 key/value heads" in p.what
-    assert "parallel.tp_size in {1, 2}" in p.fix and "parallel=dp" in p.fix and one_line(p)
+    assert "parallel.tp_size in {2}," in p.fix and "parallel=dp" in p.fix and one_line(p)
 
 
 def test_tp_that_does_not_divide_the_key_value_heads_is_refused():
     [p] = problems(*TP2[:2], "parallel.tp_size=3", "model.num_kv_heads=4", world=World(6, 1, "cpu", False))
     assert p.key == "parallel.tp_size" and "does not divide the 4 key/value heads" in p.what
-    assert "{1, 2, 4}" in p.fix and one_line(p)
+    assert "{2, 4}" in p.fix and one_line(p)
 
 
 def test_tp_that_does_not_divide_the_world_is_refused():
@@ -178,3 +178,8 @@ def test_the_speed_model_counts_the_tensor_parallel_all_reduces():
     cfg, plan = planned("+model=llama-3.2-1b", "parallel=tp", "parallel.tp_size=2", world=GPU8)
     step = predict_step_time(cfg, plan)
     assert step.terms["tp_comm"] > 0
+
+
+def test_one_key_value_head_leaves_only_data_parallelism():
+    [p] = problems(*TP2, "model.num_kv_heads=1")
+    assert p.fix == "parallel=dp with zero=stage3." and one_line(p)

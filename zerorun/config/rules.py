@@ -116,16 +116,16 @@ def tp_problems(m, tp_size: int, world_size: int, offload: OffloadDevice) -> Lis
                              key="parallel.mode", value="tp"))
     else:
         kv = decoder_of(m).kv_heads
-        fits = ", ".join(str(d) for d in range(1, kv + 1) if kv % d == 0)
+        sizes = [d for d in range(2, kv + 1) if kv % d == 0]
+        fix = (f"parallel.tp_size in {{{', '.join(map(str, sizes))}}}, or " if sizes else "") + \
+            "parallel=dp with zero=stage3."
         if tp > kv:
             out.append(UserError(f"parallel.tp_size={tp} exceeds the {kv} key/value heads of {m.name}: AutoTP splits "
-                                 "attention by whole key/value heads, so some ranks would hold none.",
-                                 f"parallel.tp_size in {{{fits}}}, or parallel=dp with zero=stage3.",
+                                 "attention by whole key/value heads, so some ranks would hold none.", fix,
                                  key="parallel.tp_size", value=tp))
         elif kv % tp:
             out.append(UserError(f"parallel.tp_size={tp} does not divide the {kv} key/value heads of {m.name}: "
-                                 "AutoTP would give the first ranks more heads than the others.",
-                                 f"parallel.tp_size in {{{fits}}}, or parallel=dp with zero=stage3.",
+                                 "AutoTP would give the first ranks more heads than the others.", fix,
                                  key="parallel.tp_size", value=tp))
     if world_size % tp:
         out.append(UserError(f"parallel.tp_size={tp} does not divide the world size {world_size}: every rank "
