@@ -208,8 +208,12 @@ def _prepare(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunD
     checkpoint.refuse_without_space(cfg, plan, decision.estimate.params, run_dir, resume)
     say(f"{cfg.model.name} ({'pretrained ' + cfg.model.name_or_path if cfg.model.pretrained else 'random init'}) · "
         f"ZeRO-{cfg.zero.stage} · offload {cfg.offload.device.value} · {cfg.precision.dtype.value} · "
-        f"{world.size} rank(s) via {cfg.launcher.name.value}")
-    say(f"batch: micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} × {world.size} ranks = global "
+        f"{world.size} rank(s)" + (f" = tensor-parallel {plan.tensor_parallel} × data-parallel "
+                                   f"{plan.data_parallel_size}" if plan.tensor_parallel > 1 else "")
+        + f" via {cfg.launcher.name.value}")
+    replicas = f"{world.size} ranks" if plan.data_parallel_size == world.size else \
+        f"{plan.data_parallel_size} data-parallel rank(s)"
+    say(f"batch: micro {plan.micro_batch_size} × accum {plan.grad_accum_steps} × {replicas} = global "
         f"{plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step} tokens per step, "
         f"{cfg.trainer.max_steps} steps")
     short = too_few_sequences(prepared.num_train, plan.global_batch_size,

@@ -101,6 +101,13 @@ def render(cfg: RunConfig, plan: Plan) -> Dict[str, Any]:
         # Read by zerorun.train to build the PipelineModule; DeepSpeed keeps it as its pipeline section.
         ds["pipeline"] = {"stages": plan.pipeline_stages, "partition": cfg.parallel.partition.value,
                           "activation_checkpoint_interval": 1 if tr.activation_checkpointing else 0}
+    if plan.tensor_parallel > 1:
+        # DeepSpeed AutoTP: deepspeed.initialize shards the HF model's projections over groups of this many ranks.
+        ds["tensor_parallel"] = {"autotp_size": plan.tensor_parallel}
+        # DeepSpeed checks train_batch_size against micro × accumulation × the world (every rank of a TP group
+        # counted) when the engine starts, and against the data-parallel ranks alone when ZeRO-3's zero.Init
+        # reads the config again: no one value passes both, so it derives it from the two given here.
+        del ds["train_batch_size"]
     if cfg.launcher.node_local_run_dirs:
         # Each node saves to its own disk: local rank 0 writes the model states there, every rank its shard.
         ds["checkpoint"] = {"use_node_local_storage": True}

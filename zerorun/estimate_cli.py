@@ -94,13 +94,13 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
 
 
 def _eight_bit(M, cfg, world, hw):
-    """The estimate of ``cfg`` with adamw8bit, where DeepSpeed can run it (None: NVMe offload, pipelines)."""
+    """The estimate of ``cfg`` with adamw8bit, where DeepSpeed can run it (None: NVMe offload, pipelines, TP)."""
     import dataclasses
 
     from .config import OffloadDevice, OptimizerName, ParallelMode, make_plan
 
-    if OffloadDevice(cfg.offload.device) == OffloadDevice.nvme or cfg.parallel.mode == ParallelMode.pipeline:
-        return None
+    if OffloadDevice(cfg.offload.device) == OffloadDevice.nvme or cfg.parallel.mode != ParallelMode.dp:
+        return None  # (client optimizers with AutoTP: not run)
     c8 = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, name=OptimizerName.adamw8bit))
     return M.estimate(c8, make_plan(c8, world), hw)
 
@@ -180,14 +180,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"zerorun-estimate: error: {p}", file=sys.stderr)
         return EXIT_BAD_INPUT
     plan = make_plan(cfg, world)
-    table = M.table_configs(cfg)
+    table = M.table_configs(cfg) + M.tp_table_configs(cfg, world)
     from .speed import predict_step_time
 
     plans = [make_plan(c, world) for _, c in table]
     rows = [(label, M.estimate(c, p, hw), _eight_bit(M, c, world, hw), predict_step_time(c, p))
             for (label, c), p in zip(table, plans)]
-    chosen = next((label for (label, c), p in zip(table, plans) if (c.zero.stage, c.offload.device, p.offload_params)
-                   == (cfg.zero.stage, cfg.offload.device, plan.offload_params)), None)
+    chosen = next((label for (label, c), p in zip(table, plans) if (c.zero.stage, c.offload.device, p.offload_params,
+                   p.tensor_parallel) == (cfg.zero.stage, cfg.offload.device, plan.offload_params,
+                                          plan.tensor_parallel)), None)
     decision = M.gate(cfg, plan, hw, GateMode.strict)
     t3 = time.perf_counter()
     for line in render_table(cfg, plan, hw, rows, chosen):

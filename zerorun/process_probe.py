@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from .config import OffloadDevice, RunConfig, make_plan, plan_world
+from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
 
@@ -32,7 +32,8 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with a micro model of the same architecture on one rank: every code path a rank of ``cfg`` runs
     (precision, ZeRO stage, offload, optimizer, adapter, checkpointing), tensors of a few hundred KiB. NVMe
     offload runs as CPU offload (its swap files need a real path and size); a pipeline as a one-stage pipeline (the
-    same PipelineEngine and optimizer: a bf16 pipeline at ZeRO-0 steps with BF16_Optimizer, data parallel does not)."""
+    same PipelineEngine and optimizer: a bf16 pipeline at ZeRO-0 steps with BF16_Optimizer, data parallel does not);
+    tensor parallelism as one data-parallel rank (a shard group needs several)."""
     m = cfg.model
     grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
     model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
@@ -45,8 +46,10 @@ def micro_config(cfg: RunConfig) -> RunConfig:
                              resume=False, resume_from="", checkpoint_dir="", export_dir="", max_restarts=0)
     la = dataclasses.replace(cfg.launcher, nproc_per_node=1, nnodes=1, node_rank=0, master_addr="127.0.0.1",
                              hostfile="", master_port=None)
-    return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la,
-                               parallel=dataclasses.replace(cfg.parallel, stages=1, micro_batches=0),
+    # One rank holds no tensor-parallel group: parallel=tp is measured as the data-parallel rank it is otherwise.
+    par = dataclasses.replace(cfg.parallel, stages=1, micro_batches=0, tp_size=1,
+                              mode=ParallelMode.dp if cfg.parallel.mode == ParallelMode.tp else cfg.parallel.mode)
+    return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la, parallel=par,
                                data=dataclasses.replace(cfg.data, seq_len=MICRO_SEQ), dry_run=False)
 
 

@@ -118,6 +118,16 @@ def for_this_world(cfg: RunConfig, world: World, root: Path, tag: str, resume: d
                         "to start over.", key="optimizer.name", value=cfg.optimizer.name.value)
     then = saved.get("world", {}).get("data_parallel")
     now = plan.data_parallel_size
+    tp_was, tp_now = saved.get("world", {}).get("tensor_parallel", 1), plan.tensor_parallel
+    if tp_was != tp_now or (tp_now > 1 and then and then != now):
+        # Each model-states file holds one tensor-parallel shard; DeepSpeed's universal conversion does not reshard
+        # AutoTP layers into another degree, and zerorun has not run it across data-parallel sizes with AutoTP.
+        was = f"parallel=tp parallel.tp_size={tp_was}" if tp_was > 1 else "parallel=" + ("dp" if then else "?")
+        raise UserError(f"the checkpoint {root / tag} was saved with tensor parallelism {tp_was} × {then} data-parallel "
+                        f"ranks and this run has {tp_now} × {now}: tensor-parallel checkpoints resume only on the "
+                        "layout that saved them.", f"resume with {was} on {saved.get('world', {}).get('ranks', '?')} "
+                        "ranks (as saved), or drop trainer.resume to start over.",
+                        key="parallel.tp_size", value=cfg.parallel.tp_size)
     if not then or then == now:
         return resume
     if was == OptimizerImpl.bnb_adamw8bit.value and saved.get("zero_stage", 0):

@@ -18,6 +18,9 @@ run in lock-step, so one rank's time is the step's):
   page_faults  CPU ranks: activations (again when recomputed) and weight gradients at or above the mmap
                threshold are page-faulted in anew every micro-batch (none with mmap off: all reused)
   bubble       pipeline: (stages - 1) idle micro-batch slots per step (1F1B)
+  tp_comm      tensor parallelism (AutoTP): per layer and micro-batch, the two row-parallel outputs all-reduced in
+               forward (again when recomputed) and the five column-parallel inputs' gradients in backward, each a
+               whole b·s·h activation; an untied head's logits all-gathered; compute is the rank's share
 
 Communication is not assumed to overlap compute (it partly does on GPUs with overlap_comm): the ranking
 only needs the terms in proportion. Pipeline stages are taken as balanced (total / stages; the last stage's
@@ -166,7 +169,8 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     prof = profile or profile_for(plan.world.accelerator)
     m, dtype = cfg.model, Dtype(cfg.precision.dtype)
     b = DTYPE_BYTES[dtype]
-    bd = param_breakdown(m, plan.task, cfg.task.num_labels, cfg.adapter)
+    tp = plan.tensor_parallel
+    bd = param_breakdown(m, plan.task, cfg.task.num_labels, cfg.adapter, tp)  # with tp: this rank's share
     stages = plan.pipeline_stages
     micro, accum, seq = plan.micro_batch_size, plan.grad_accum_steps, plan.seq_len
     tokens = micro * seq  # per micro-batch on this rank
@@ -175,7 +179,7 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
     # Forward 2 FLOPs per weight and token, backward 2 for the input gradient and 2 for the weight's, which a
     # frozen weight (LoRA's base) skips; attention's scores and values 12·s·(heads × head width) per token (Gemma's
     # differs from the hidden size). A mixture of experts runs a token through top-k of them (active_fraction).
-    width = m.num_heads * (m.head_dim or h // m.num_heads)
+    width = m.num_heads * (m.head_dim or h // m.num_heads) // tp
     active = bd.per_layer * bd.active_fraction
     trained_layer = sum(bd.adapter_tensors) if bd.lora else active
     trained_head = sum(bd.trainable_head) if bd.lora else bd.head + lm_head
@@ -186,7 +190,7 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
         rate *= tokens / (tokens + prof.half_speed_tokens)
     threshold = heap_threshold_bytes(cfg.launcher, plan.world.accelerator)
     full = activations(m, micro, seq, dtype, plan.world.accelerator, False, task=plan.task,
-                       num_labels=cfg.task.num_labels, mmap_threshold=threshold)
+                       num_labels=cfg.task.num_labels, mmap_threshold=threshold, tp=tp)
     traffic = (full.outside_layers + L * full.per_layer + full.logits_loss) / stages
     per_micro: "OrderedDict[str, float]" = OrderedDict()
     per_micro["compute"] = flops / rate + traffic / prof.activation_bytes_per_s
@@ -210,6 +214,14 @@ def predict_step_time(cfg: RunConfig, plan: Plan, profile: SpeedProfile = None) 
         # Each micro-batch's boundary activations go to the next stage and its gradient comes back.
         terms["pipe_p2p"] = accum * 2 * _collective(tokens * h * b, 1, prof.collective_bytes_per_s,
                                                     prof.collective_latency_s)
+    if tp > 1:
+        # Ring all-reduce moves 2(tp-1)/tp of the tensor; the groups are consecutive ranks (within a node).
+        passes = 3 if cfg.trainer.activation_checkpointing else 2
+        calls = L * (2 * (passes - 1) + 5)
+        logits = tokens * m.vocab_size * b if not m.tie_word_embeddings else 0
+        moved = 2 * (tp - 1) / tp * tokens * h * b * calls + (tp - 1) / tp * logits
+        terms["tp_comm"] = accum * _collective(moved, calls + (1 if logits else 0), prof.collective_bytes_per_s,
+                                               prof.collective_latency_s)
     terms.update(_communication(cfg, plan, prof, bd, b, accum))
     return StepTime(terms, tokens_per_step=plan.tokens_per_step)
 

@@ -100,15 +100,16 @@ def census(m, task: str, num_labels: int = 2):
     return traced_census(m.model_type, hf_fields(m), _name(task), num_labels)
 
 
-def param_tensors(m, task: str, num_labels: int = 2):
+def param_tensors(m, task: str, num_labels: int = 2, tp: int = 1):
     """(embedding, layer, head, tied elements, buffer bytes) of the model transformers builds for ``m`` and ``task``
-    (numel per tensor; a tied LM head reuses the embedding and adds no tensor)."""
+    (numel per tensor; a tied LM head reuses the embedding and adds no tensor); with ``tp`` > 1 one tensor-parallel
+    rank's share (Llama-class decoders, the only family config/rules.py lets AutoTP split)."""
     task = _name(task)
     if traits(m).traced:
         c = census(m, task, num_labels)
         return c.embedding, c.layer, c.head, c.tied, c.buffer_bytes
     if traits(m).modern:
-        d = decoder_of(m)
+        d = decoder_of(m, tp)
         return (d.embedding_tensors(), d.layer_tensors(), d.head_tensors(), m.vocab_size * m.hidden_size if d.tied
                 else 0, d.head_dim // 2 * 4)  # RoPE's inv_freq buffer, fp32
     inner = m.intermediate_size or 4 * m.hidden_size  # GPT2Config n_inner=None means 4h

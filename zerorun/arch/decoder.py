@@ -36,14 +36,39 @@ class Decoder:
     """Qwen2 has q/k/v biases (hard-coded); Llama only with ``attention_bias`` (and then o_proj too)."""
     o_bias: bool = False
     mlp_bias: bool = False
+    tp: int = 1
+    """Tensor-parallel ranks (DeepSpeed AutoTP) the projections are split over; the tensors and activations below are
+    then one rank's (the first: an uneven split gives it the larger share). AutoTP applies transformers' tensor-parallel
+    plan: q/k/v and gate/up by output rows (column-parallel), o/down by input columns (row-parallel, their biases
+    whole), an untied LM head by vocabulary rows with its logits gathered whole; embeddings, norms and a tied head
+    stay whole on every rank (research tp-qlora-allocators.md; measured on a tiny Llama, tests/unit/test_tp.py)."""
+
+    # ---------------------------------------------------------------- one tensor-parallel rank's share
+    @property
+    def local_heads(self) -> int:
+        """Query heads on one rank: AutoTP splits attention by whole key/value groups."""
+        return self.heads * self.local_kv_heads // self.kv_heads
+
+    @property
+    def local_kv_heads(self) -> int:
+        return -(-self.kv_heads // self.tp)
+
+    @property
+    def local_intermediate(self) -> int:
+        return -(-self.intermediate // self.tp)
+
+    @property
+    def head_vocab(self) -> int:
+        """Rows of the LM head on one rank (an untied head is split by vocabulary; a tied one stays whole)."""
+        return self.vocab if self.tied else -(-self.vocab // self.tp)
 
     # ---------------------------------------------------------------- parameters (research §1)
     def layer_tensors(self) -> Tuple[int, ...]:
         """One decoder layer's parameter tensors (numel), in module order."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, q, kv = self.hidden, self.local_heads * self.head_dim, self.local_kv_heads * self.head_dim
         attn = [h * q, *([q] if self.qkv_bias else []), h * kv, *([kv] if self.qkv_bias else []),
                 h * kv, *([kv] if self.qkv_bias else []), q * h, *([h] if self.o_bias else [])]
-        i = self.intermediate
+        i = self.local_intermediate
         mlp = [h * i, *([i] if self.mlp_bias else []), h * i, *([i] if self.mlp_bias else []),
                i * h, *([h] if self.mlp_bias else [])]
         return (h, *attn, h, *mlp)  # input_layernorm, attention, post_attention_layernorm, gate/up/down
@@ -53,7 +78,7 @@ class Decoder:
 
     def head_tensors(self) -> Tuple[int, ...]:
         """The final norm, and the LM head when it is not tied to the embedding."""
-        return (self.hidden,) if self.tied else (self.hidden, self.vocab * self.hidden)
+        return (self.hidden,) if self.tied else (self.hidden, self.head_vocab * self.hidden)
 
     def total_params(self) -> int:
         return sum(self.embedding_tensors()) + self.layers * sum(self.layer_tensors()) + sum(self.head_tensors())
@@ -65,15 +90,15 @@ class Decoder:
         attention output and its fp32 log-sum-exp. ``masked``: the materialized-mask path (no KV cache, i.e.
         checkpointing's recomputation, or padding): K and V repeated to every query head, and the mask in the
         compute dtype per layer."""
-        t, h, i = b * s, self.hidden, self.intermediate
+        t, h, i = b * s, self.hidden, self.local_intermediate
         return [(2, 4 * h * t), (2, 4 * t), (2, e * h * t), (2, e * h * t), (4, e * i * t),
                 *self._attention_saved(b, s, e, masked)]
 
     def _attention_saved(self, b: int, s: int, e: int, masked: bool) -> List[Tuple[int, int]]:
         """What SDPA keeps whether or not the projections train: q and its output, k and v (at every query head on
         the masked path), the fp32 log-sum-exp, and on the masked path the mask in the compute dtype."""
-        t, a, d = b * s, self.heads, self.head_dim
-        kv = a if masked else self.kv_heads
+        t, a, d = b * s, self.local_heads, self.head_dim
+        kv = a if masked else self.local_kv_heads
         return [(2, e * a * d * t), (2, e * kv * d * t), (1, 4 * a * t), *([(1, e * s * t)] if masked else [])]
 
     def saved_per_layer_lora(self, b: int, s: int, e: int, masked: bool, targets, r: int, dropout: float,
@@ -82,7 +107,7 @@ class Decoder:
         and frozen norms no normalized output; each adapted module's lora_A saves its input once per distinct input
         tensor (q/k/v share the norm output, gate/up theirs; o_proj's is SDPA's saved output), or with dropout
         its own mask and dropout output; lora_B saves lora_A's output (r wide)."""
-        t, h, i, a, d = b * s, self.hidden, self.intermediate, self.heads, self.head_dim
+        t, h, i, a, d = b * s, self.hidden, self.local_intermediate, self.local_heads, self.head_dim
         out = [(2, 4 * h * t), (2, 4 * t), (3, e * i * t), *self._attention_saved(b, s, e, masked)]
         inputs = {"q_proj": ("attn", h), "k_proj": ("attn", h), "v_proj": ("attn", h), "o_proj": ("o", a * d),
                   "gate_proj": ("mlp", h), "up_proj": ("mlp", h), "down_proj": ("down", i)}
@@ -104,9 +129,10 @@ class Decoder:
         return [(1, 4 * h * t), (1, 4 * t), (1, e * h * t), (1, e * h * t), (2, e * s * self.head_dim)]
 
     def flops_per_token(self, seq: int) -> int:
-        """Forward FLOPs per token: 2 per weight multiply-add, plus attention's scores and values (causal)."""
-        weights = self.layers * sum(self.layer_tensors()) + self.vocab * self.hidden
-        return 2 * weights + 2 * self.layers * self.heads * self.head_dim * seq
+        """Forward FLOPs per token (on one rank with ``tp``): 2 per weight multiply-add, plus attention's scores and
+        values (causal)."""
+        weights = self.layers * sum(self.layer_tensors()) + self.head_vocab * self.hidden
+        return 2 * weights + 2 * self.layers * self.local_heads * self.head_dim * seq
 
     # ---------------------------------------------------------------- transformers
     def hf_config_kwargs(self) -> Dict[str, Any]:
@@ -118,8 +144,8 @@ class Decoder:
                        if self.model_type == "llama" else {}))
 
 
-def decoder_of(m) -> Decoder:
-    """The decoder a ModelConfig (family=llama) describes."""
+def decoder_of(m, tp: int = 1) -> Decoder:
+    """The decoder a ModelConfig (family=llama) describes; with ``tp`` > 1, one tensor-parallel rank's share of it."""
     kv = m.num_kv_heads or m.num_heads
     return Decoder(model_type=m.model_type or "llama", hidden=m.hidden_size, layers=m.num_layers,
                    heads=m.num_heads, kv_heads=kv, head_dim=m.head_dim or m.hidden_size // m.num_heads,
@@ -128,4 +154,4 @@ def decoder_of(m) -> Decoder:
                    # Qwen2's q/k/v biases are hard-coded; Mistral has none whatever attention_bias says
                    qkv_bias=m.model_type == "qwen2" or (m.model_type == "llama" and m.attention_bias),
                    o_bias=m.model_type == "llama" and m.attention_bias,
-                   mlp_bias=m.model_type == "llama" and m.mlp_bias)
+                   mlp_bias=m.model_type == "llama" and m.mlp_bias, tp=max(1, tp))

@@ -12,9 +12,8 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (adapter_problems, lora_target_problems, qlora_problems, offload_problems, optimizer_problems, pipeline_problems,
-                    resolve_task,
-                    shape_problems, task_problems)
+from .rules import (adapter_problems, lora_target_problems, offload_problems, optimizer_problems, pipeline_problems,
+                    qlora_problems, resolve_task, shape_problems, task_problems, tp_problems)
 from .schema import AdapterName, Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
@@ -84,6 +83,13 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
     problems += _launcher_problems(cfg, world)
     if cfg.parallel.mode == ParallelMode.pipeline:
         problems += pipeline_problems(z.stage) + _pipeline_problems(cfg, world)
+    if cfg.parallel.mode == ParallelMode.tp:
+        problems += tp_problems(m, cfg.parallel.tp_size, world.size, off.device)
+    elif cfg.parallel.tp_size > 1:
+        problems.append(P(f"parallel.tp_size={cfg.parallel.tp_size} with parallel={cfg.parallel.mode.value}: only "
+                          "parallel=tp splits layers over ranks; it would be ignored.",
+                          f"parallel=tp parallel.tp_size={cfg.parallel.tp_size}, or drop parallel.tp_size.",
+                          key="parallel.tp_size", value=cfg.parallel.tp_size))
     problems += _deepspeed_override_problems(cfg.deepspeed, prec.dtype)
     return problems + declared
 

@@ -43,10 +43,15 @@ def plan_world(cfg: RunConfig, hw: Any, nodes: Optional[int] = None) -> World:
 # Batch geometry: the one place these numbers are derived
 
 
+def tensor_parallel_size(cfg: RunConfig) -> int:
+    """Ranks that share each layer's weights (parallel=tp); 1 otherwise."""
+    return max(1, cfg.parallel.tp_size) if cfg.parallel.mode == ParallelMode.tp else 1
+
+
 def data_parallel_size(cfg: RunConfig, world: World) -> int:
     if cfg.parallel.mode == ParallelMode.pipeline:
         return max(1, world.size // max(1, cfg.parallel.stages))
-    return world.size
+    return max(1, world.size // tensor_parallel_size(cfg))
 
 
 def global_batch(cfg: RunConfig, world: World) -> int:
@@ -136,6 +141,8 @@ class Plan:
     optimizer: OptimizerImpl
     nvme_path: str
     """Where NVMe offload swaps ("" when not offloading to NVMe or not yet placed in a run dir)."""
+    tensor_parallel: int = 1
+    """Ranks of one tensor-parallel group (parallel=tp: DeepSpeed AutoTP's autotp_size); 1 without."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -180,4 +187,5 @@ def make_plan(cfg: RunConfig, world: World, longest: int = 0) -> Plan:
         offload_params=params_offloaded(cfg.zero.stage, off, cfg.offload.params),
         optimizer=optimizer_impl(world.accelerator, offload_optimizer, cfg.optimizer.name),
         nvme_path=cfg.offload.nvme_path if off == OffloadDevice.nvme else "",
+        tensor_parallel=tensor_parallel_size(cfg),
     )

@@ -75,10 +75,17 @@ def pipeline_problems(stage: int) -> List[UserError]:
 def adapter_problems(adapter: AdapterName, stage: int, mode: ParallelMode) -> List[UserError]:
     """What zerorun trains with LoRA: ZeRO-0/1/2 with data parallelism. ZeRO-3 gathers and exports peft's module
     names, and pipeline stages wrap the plain HF modules: neither has been run with adapters (a frozen base is
-    small enough that ZeRO-2 rarely needs more)."""
+    small enough that ZeRO-2 rarely needs more). Tensor parallelism: DeepSpeed 0.19.8's AutoTP replaces the
+    parameters of peft's wrapped projections, and ZeRO's optimizer then fails in deepspeed.initialize (KeyError in
+    stage_1_and_2.py ``_create_param_mapping``, tried on a tiny Llama with LoRA on q/v, ZeRO-1, 2 ranks)."""
     name = AdapterName(adapter)
     if not name.adapts or (stage < 3 and ParallelMode(mode) == ParallelMode.dp):
         return []
+    if ParallelMode(mode) == ParallelMode.tp:
+        return [UserError(f"adapter={name.value} with parallel=tp: DeepSpeed 0.19.8's AutoTP cannot shard peft's "
+                          "LoRA-wrapped projections (deepspeed.initialize fails).", "parallel=dp with zero=stage2 (a "
+                          "frozen base is small), or adapter=none to train the whole model with parallel=tp.",
+                          key="adapter.name", value=name.value)]
     what = "zero=stage3" if stage == 3 else "parallel=pipeline"
     why = (" (ZeRO-3 would partition bitsandbytes' packed 4-bit weights, which it cannot gather back)"
            if name == AdapterName.qlora and stage == 3 else "")
@@ -107,6 +114,53 @@ def qlora_problems(adapter) -> List[UserError]:
     return out
 
 
+AUTOTP_REJECTS = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "xlm", "xlnet")
+"""Model types DeepSpeed's AutoTP refuses to shard (module_inject/auto_tp.py ``AutoTP.supported``)."""
+
+
+def tp_problems(m, tp_size: int, world_size: int, offload: OffloadDevice) -> List[UserError]:
+    """What parallel=tp needs: a Llama-class decoder (zerorun estimates and has trained AutoTP on those; DeepSpeed
+    refuses GPT-2), a tp_size that divides the key/value heads (AutoTP splits attention by whole key/value heads:
+    a rank beyond their count holds no attention shard, an uneven split loads the first ranks more) and the world,
+    and no offload (not run with AutoTP here)."""
+    from ..arch import decoder_of, traits
+
+    tp, out = max(1, tp_size), []
+    code = m.model_type if traits(m).modern or traits(m).traced else Family(m.family).value
+    if code in AUTOTP_REJECTS:
+        out.append(UserError(f"parallel=tp with model {m.name} ({code}): DeepSpeed's AutoTP cannot shard {code} "
+                             "models.", "parallel=dp with zero=stage3 (and offload=cpu) to spread the model, or a "
+                             "Llama-class model (llama, qwen2, mistral).", key="parallel.mode", value="tp"))
+    elif not traits(m).modern:
+        out.append(UserError(f"parallel=tp with model {m.name} ({code}): zerorun trains tensor parallelism for "
+                             "Llama-class decoders (model.family=llama: llama, qwen2, mistral) only so far.",
+                             "parallel=dp with zero=stage3 (and offload=cpu) to spread the model.",
+                             key="parallel.mode", value="tp"))
+    else:
+        kv = decoder_of(m).kv_heads
+        sizes = [d for d in range(2, kv + 1) if kv % d == 0]
+        fix = (f"parallel.tp_size in {{{', '.join(map(str, sizes))}}}, or " if sizes else "") + \
+            "parallel=dp with zero=stage3."
+        if tp > kv:
+            out.append(UserError(f"parallel.tp_size={tp} exceeds the {kv} key/value heads of {m.name}: AutoTP splits "
+                                 "attention by whole key/value heads, so some ranks would hold none.", fix,
+                                 key="parallel.tp_size", value=tp))
+        elif kv % tp:
+            out.append(UserError(f"parallel.tp_size={tp} does not divide the {kv} key/value heads of {m.name}: "
+                                 "AutoTP would give the first ranks more heads than the others.", fix,
+                                 key="parallel.tp_size", value=tp))
+    if world_size % tp:
+        out.append(UserError(f"parallel.tp_size={tp} does not divide the world size {world_size}: every rank "
+                             "belongs to one tensor-parallel group.", f"launcher.nproc_per_node × launcher.nnodes a "
+                             f"multiple of {tp}, or another parallel.tp_size.", key="parallel.tp_size", value=tp))
+    if OffloadDevice(offload) != OffloadDevice.none:
+        out.append(UserError(f"offload={OffloadDevice(offload).value} with parallel=tp: zerorun has not run "
+                             "DeepSpeed's offload with AutoTP.", "offload=none (tensor parallelism already divides "
+                             "the states by parallel.tp_size), or parallel=dp with offload.",
+                             key="offload.device", value=OffloadDevice(offload).value))
+    return out
+
+
 def lora_target_problems(m, adapter) -> List[UserError]:
     """LoRA's target modules against the model's linear layers (zerorun/arch), before anything launches."""
     from ..arch import lora_target_problems as arch_problems
@@ -116,7 +170,7 @@ def lora_target_problems(m, adapter) -> List[UserError]:
 
 def layouts(mode: ParallelMode = ParallelMode.dp, adapter: AdapterName = AdapterName.none) -> List[Layout]:
     """Every layout zerorun offers for ``mode`` (and ``adapter``), in table order: those the rules above accept,
-    and for a pipeline no offload (DeepSpeed allows it at ZeRO-1, but zerorun has not tested it)."""
+    and for a pipeline or tensor parallelism no offload (DeepSpeed allows it, but zerorun has not tested it)."""
     out = []
     for stage in range(4):
         for device in OffloadDevice:
@@ -126,6 +180,8 @@ def layouts(mode: ParallelMode = ParallelMode.dp, adapter: AdapterName = Adapter
                     continue
                 if ParallelMode(mode) == ParallelMode.pipeline and (pipeline_problems(stage)
                                                                    or device != OffloadDevice.none):
+                    continue
+                if ParallelMode(mode) == ParallelMode.tp and device != OffloadDevice.none:
                     continue
                 out.append(Layout(stage, device, params))
     return out

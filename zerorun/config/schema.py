@@ -32,6 +32,7 @@ class Dtype(str, enum.Enum):
 class ParallelMode(str, enum.Enum):
     dp = "dp"
     pipeline = "pipeline"
+    tp = "tp"  # DeepSpeed AutoTP: each layer's linear weights split over parallel.tp_size ranks
 
 
 class LauncherName(str, enum.Enum):
@@ -170,13 +171,17 @@ class PrecisionConfig:
 @dataclass
 class ParallelConfig:
     mode: ParallelMode = ParallelMode.dp
-    """dp: data parallel (ZeRO shards over all ranks); pipeline: model split into stages."""
+    """dp: data parallel (ZeRO shards over all ranks); pipeline: model split into stages; tp: tensor parallel
+    (DeepSpeed AutoTP) over groups of parallel.tp_size ranks, data parallel (ZeRO) across the groups."""
     stages: int = num(1, ge=1)
     """Pipeline stages (pipeline mode)."""
     micro_batches: int = num(0, ge=0)
     """Pipeline micro-batches per optimizer step; 0 derives it from the batch sizes."""
     partition: Partition = Partition.parameters
     """Pipeline layer partitioning: parameters (balance trainable parameters) | uniform (layers)."""
+    tp_size: int = num(1, ge=1)
+    """Tensor-parallel ranks (tp mode): each holds 1/tp_size of every attention and MLP projection (and an untied
+    LM head); the world is tp_size × data-parallel ranks, and the ranks of one group read the same batches."""
 
 
 @dataclass

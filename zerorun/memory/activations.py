@@ -97,8 +97,9 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
                 checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
-                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD, lora=None) -> Activations:
-    """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1).
+                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD, lora=None, tp: int = 1) -> Activations:
+    """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1); ``tp``: on one
+    rank of a tensor-parallel group (Llama-class decoders: ``decoder_activations``).
 
     Eq. 1 counts, per layer, sbh·(34 + 5as/h) bytes = 16 "units" of s·b·h elements in 16-bit
     (LN inputs 2, QKV input 1, Q K V 3, projection input 1, fc1 input 1, GeLU input 4, fc2 input 4),
@@ -123,7 +124,7 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
         return traced_activations(m, micro_batch, seq_len, Dtype(dtype), accelerator, checkpointing, task, num_labels,
                                   mmap_threshold, lora)
     if traits(m).modern:
-        return decoder_activations(decoder_of(m), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
+        return decoder_activations(decoder_of(m, tp), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
                                    checkpointing, num_labels, mmap_threshold, lora)
     full = _activations(m, micro_batch, seq_len, dtype, accelerator, checkpointing, kernel, task, num_labels,
                         mmap_threshold)
@@ -224,7 +225,13 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
     tensors zerorun/arch/decoder.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
     skipped and K/V stay at their own heads; checkpointing turns the cache off, and recomputation takes the
     masked path (K/V repeated to every query head, the mask per layer), with one (b, 1, s, s) bool mask kept for
-    all checkpoints (docs/research/hf-decoders-and-lora.md §2)."""
+    all checkpoints (docs/research/hf-decoders-and-lora.md §2).
+
+    Tensor parallelism (``d.tp`` > 1, DeepSpeed AutoTP): what is head- or MLP-wide is one rank's share (the Decoder
+    says so), what is hidden-wide stays whole (the norms, the projections' inputs, the residual stream: the column-
+    parallel layers take the whole input, the row-parallel ones all-reduce a whole output). An untied head's logits
+    are gathered whole (layers.py GatherFromTensorParallelRegion) before the loss, so the loss transient is the one
+    of the whole vocabulary, plus the rank's own slice of the logits' gradient that the gather's backward cuts out."""
     total = lambda sizes: sum(n * size for n, size in sizes)  # noqa: E731
     small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < mmap_threshold)) \
         if accelerator == "cpu" else (lambda sizes: 0)
@@ -236,9 +243,11 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
         outside = d.saved_outside_lora(b, s, e)
     kept = e * d.hidden * t
     mask = b * s * s if checkpointing else 0
+    shard = e * t * d.head_vocab if d.tp > 1 and not d.tied else 0
     return Activations("sdpa-fused", total(plain), total(masked), kept, total(outside) + mask,
-                       working_set=e * d.hidden * t + 2 * e * d.intermediate * t,
-                       logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab, num_layers=d.layers, checkpointing=checkpointing,
+                       working_set=e * d.hidden * t + 2 * e * d.local_intermediate * t,
+                       logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab + shard, num_layers=d.layers,
+                       checkpointing=checkpointing,
                        small_per_layer=small(plain), small_checkpoint=small([(1, kept)]),
                        small_outside=small([*outside, (1, mask)]))
 

@@ -127,16 +127,22 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     Pure arithmetic on the config. With ``parallel=pipeline`` each stage is estimated with its own
     layers and 1F1B depth; the result is the stage with the highest peak, and ``stages`` lists them all.
     """
-    labels = cfg.task.num_labels
-    bd = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
-    key = model_key(cfg.model, plan.task, labels, cfg.adapter)
+    labels, tp = cfg.task.num_labels, plan.tensor_parallel
+    # With tensor parallelism (§3.10) every count below is one rank's share of each layer (arch/decoder.py Decoder.tp)
+    bd = param_breakdown(cfg.model, plan.task, labels, cfg.adapter, tp)
+    key = model_key(cfg.model, plan.task, labels, cfg.adapter, tp)
     lora = (lora_targets(cfg.model, cfg.adapter), cfg.adapter.r, cfg.adapter.dropout) if bd.lora else None
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
-                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora)
+                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora, tp=tp)
     if bd.quantized:  # each 4-bit layer dequantizes its weight into the compute dtype for forward and backward
         largest = max((i * o for shapes in layer_linears(cfg.model).values() for i, o in shapes), default=0)
         act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
+    if tp > 1:
+        whole = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
+        est = rank_estimate(cfg, plan, hw, cal, bd, act, whole.total, key, tp_gathered=tp_gathered(whole, bd))
+        return dataclasses.replace(est, params=whole.total, summary=dict(est.summary, params=whole.total,
+                                                                         params_per_rank=bd.total))
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
@@ -171,16 +177,23 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
                 for st, e in zip(stages, per_stage)])
 
 
+def tp_gathered(whole: ParamBreakdown, shard: ParamBreakdown) -> int:
+    """Elements of the whole tensors that tensor parallelism split (those whose share differs from the whole)."""
+    return sum(w for w, s in zip(whole.tensors(), shard.tensors()) if w != s)
+
+
 def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
-                  act: Activations, built_params: int, key: Tuple, exporter: bool = True) -> Estimate:
+                  act: Activations, built_params: int, key: Tuple, exporter: bool = True,
+                  tp_gathered: int = 0) -> Estimate:
     """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
-    or one pipeline stage); ``built_params``: what build_model() makes on every rank first (the whole
-    model); ``key``: the whole model's params.model_key; ``exporter``: this rank writes the final export."""
+    one pipeline stage, or one tensor-parallel share); ``built_params``: what build_model() makes on every rank
+    first (the whole model); ``key``: the params.model_key of ``bd``; ``exporter``: this rank writes the final
+    export; ``tp_gathered``: elements of the split tensors, gathered whole for the export."""
     fp16 = hw.accelerator == "cuda" or hw.fp16_ok
     states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
     phases = step_phases(cfg, plan, bd, act, states, bwd)
-    gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter)
+    gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered)
     if gathered:  # after training: the states (as the step left them), the model gathered for the export
         # ZeRO-3's parameters are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance):
         # GPT-2 small fp32 + CPU offload, rank 0 rose 253 MiB above its training peak while exporting.

@@ -417,9 +417,35 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
 def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
     """The estimate table's rows: ``cfg`` at every layout of the rule table for its parallel mode, labelled."""
     rows = []
+    tp = f"TP {cfg.parallel.tp_size} · " if cfg.parallel.mode == ParallelMode.tp else ""
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         params = layout.params if layout.stage == 3 and layout.device != OffloadDevice.none else None
         z = dataclasses.replace(cfg.zero, stage=layout.stage)
         o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
-        rows.append((f"ZeRO-{layout.stage}  offload {layout.label}", dataclasses.replace(cfg, zero=z, offload=o)))
+        rows.append((f"{tp}ZeRO-{layout.stage}  offload {layout.label}", dataclasses.replace(cfg, zero=z, offload=o)))
+    return rows
+
+
+def tp_table_configs(cfg: RunConfig, world: World) -> List[Tuple[str, RunConfig]]:
+    """The estimate table's tensor-parallel rows for a data-parallel ``cfg`` on several ranks: each tp_size the rules
+    allow (a divisor of the world and of the key/value heads, a model AutoTP splits, no adapter or offload), at the
+    composed ZeRO stage."""
+    from ..config.rules import adapter_problems, tp_problems
+
+    if cfg.parallel.mode != ParallelMode.dp or world.size < 2 or OffloadDevice(cfg.offload.device) != OffloadDevice.none:
+        return []
+    rows = []
+    for tp in range(2, world.size + 1):
+        par = dataclasses.replace(cfg.parallel, mode=ParallelMode.tp, tp_size=tp)
+        if tp_problems(cfg.model, tp, world.size, OffloadDevice.none) \
+                or adapter_problems(cfg.adapter.name, cfg.zero.stage, ParallelMode.tp):
+            continue
+        # The same global batch as the composed config (so the step times compare the same work): each of the
+        # fewer data-parallel replicas accumulates more micro-batches.
+        tr = cfg.trainer
+        pinned = tr.global_batch_size or tr.micro_batch_size * world.size
+        if pinned % (tr.micro_batch_size * (world.size // tp)):
+            continue
+        rows.append((f"TP {tp} × DP {world.size // tp} · ZeRO-{cfg.zero.stage}",
+                     dataclasses.replace(cfg, parallel=par, trainer=dataclasses.replace(tr, global_batch_size=pinned))))
     return rows

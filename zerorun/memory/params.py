@@ -112,23 +112,23 @@ Shape = namedtuple("Shape", ARCH_FIELDS)
 """The fields of a ModelConfig that zerorun/arch reads, frozen so that a parameter layout can be cached."""
 
 
-def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2, adapter=None) -> Tuple:
-    """What the parameter layout depends on (a hashable cache key)."""
+def model_key(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2, adapter=None, tp: int = 1) -> Tuple:
+    """What the parameter layout depends on (a hashable cache key); ``tp``: one tensor-parallel rank's share."""
     task = TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)
     lora = lora_layer_tensors(m, adapter) if adapter is not None and adapter.name.adapts else ()
     quantized = sum(i * o for shapes in layer_linears(m).values() for i, o in shapes) \
         if adapter is not None and adapter.name.value == "qlora" else 0  # every linear weight of a layer is 4-bit
     fields = [getattr(m, f) for f in ARCH_FIELDS]
     fields[-1] = json.dumps(m.hf_config, sort_keys=True)  # hashable; zerorun/arch reads it back
-    return Shape(*fields), task, num_labels, lora, quantized
+    return (Shape(*fields), task, num_labels, lora, quantized) + ((tp,) if tp > 1 else ())
 
 
 @functools.lru_cache(maxsize=256)
 def breakdown(key: Tuple) -> ParamBreakdown:
     """The parameter tensors for a model_key (zerorun/arch); with LoRA the adapters join each layer and only they
-    (and a classification head, which peft trains too) are trainable."""
-    shape, task, labels, lora, quantized_per_layer = key
-    emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels)
+    (and a classification head, which peft trains too) are trainable; with tensor parallelism one rank's share."""
+    shape, task, labels, lora, quantized_per_layer, *tp = key
+    emb, layer, head, tied, buffers = param_tensors(shape, task.value, labels, *tp)
     c = census(shape, task.value, labels) if traits(shape).traced else None
     full = ParamBreakdown(traits(shape), emb, layer, shape.num_layers, head, tied_embedding=tied, buffer_bytes=buffers,
                           irregular=c.irregular if c else 0, active_fraction=c.expert_fraction if c else 1.0)
@@ -140,10 +140,11 @@ def breakdown(key: Tuple) -> ParamBreakdown:
 
 
 def param_breakdown(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2,
-                    adapter=None) -> ParamBreakdown:
+                    adapter=None, tp: int = 1) -> ParamBreakdown:
     """Parameter tensors of ``m`` for ``task`` (None: the family's own) by region, exactly as transformers
-    builds the model (with ``adapter``'s LoRA tensors, as peft adds them)."""
-    return breakdown(model_key(m, task, num_labels, adapter))
+    builds the model (with ``adapter``'s LoRA tensors, as peft adds them); with ``tp`` > 1 what one rank of a
+    tensor-parallel group holds after DeepSpeed's AutoTP split it (arch/decoder.py ``Decoder.tp``)."""
+    return breakdown(model_key(m, task, num_labels, adapter, tp))
 
 
 def count_params(m: ModelConfig, task: Optional[TaskName] = None, num_labels: int = 2) -> int:

@@ -269,7 +269,8 @@ def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
     return weights + master + optimizer_state_bytes(cfg, plan, params)
 
 
-def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_params: int, exporter: bool) -> int:
+def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_params: int, exporter: bool,
+                        tp_gathered: int = 0) -> int:
     """What the rank that writes the export (global rank 0) holds beyond its states while it does (train/export.py),
     on a CPU rank, where that is the same host memory.
 
@@ -278,6 +279,8 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
       in the module dtype.
     - A pipeline (pipeline/export.py ``gather_hf_state_dict``): rank 0 keeps its own stage uncopied and receives
       the others one at a time, pickled: every other stage unpickled, plus the pickle of the last one in transit.
+    - Tensor parallelism below ZeRO-3 (engine._replace_module_consolidated_state_dict): each split tensor is
+      all-gathered whole and rank 0's state dict keeps it (``tp_gathered`` elements); the whole ones are its own.
     """
     if not (cfg.trainer.export and exporter) or plan.world.accelerator != "cpu":
         return 0  # on a GPU rank both land in host memory (``param.detach().cpu()``), not on the device
@@ -286,7 +289,7 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
         others = max(0, built_params - stage_params)
         in_transit = others // max(1, plan.pipeline_stages - 1)
         return (others + in_transit) * e
-    return built_params * e if cfg.zero.stage == 3 else 0
+    return built_params * e if cfg.zero.stage == 3 else tp_gathered * e
 
 
 def export_bytes(cfg: RunConfig, params: int) -> int:

@@ -1,4 +1,4 @@
-"""How a rank runs one kind of parallelism: data parallel (ZeRO) or a DeepSpeed pipeline.
+"""How a rank runs one kind of parallelism: data parallel (ZeRO), tensor parallel (AutoTP) or a DeepSpeed pipeline.
 
 The trainer's loop, evaluation and export are the same for both; what differs is here: the module
 handed to DeepSpeed, how a step consumes its micro-batches, where the loss and logits live, which
@@ -70,6 +70,35 @@ class DataParallel:
         return self.engine.module(**probe).logits.float().cpu()
 
 
+class TensorParallel(DataParallel):
+    """DeepSpeed AutoTP (ds_config ``tensor_parallel.autotp_size``): deepspeed.initialize replaces each attention and
+    MLP projection (and an untied LM head) with a shard of it, over groups of ``plan.tensor_parallel`` consecutive
+    ranks; ZeRO runs over the data-parallel groups across them. The ranks of one group compute the same loss on the
+    same batch (DeepSpeed checks the first one), so the data is split by the data-parallel rank."""
+
+    def attach(self, engine, rank: int, world: int) -> None:
+        from deepspeed.utils import groups
+
+        self.engine, self.world = engine, world
+        self.dp_rank, self.dp_world = groups.get_data_parallel_rank(), groups.get_data_parallel_world_size()
+        self.tp_rank = groups.get_tensor_model_parallel_rank()
+        if self.dp_world * self.plan.tensor_parallel != world:
+            raise RuntimeError(f"DeepSpeed built {self.dp_world} data-parallel groups for {world} ranks, the plan "
+                               f"tensor parallelism {self.plan.tensor_parallel} × {self.plan.data_parallel_size}")
+
+    @property
+    def holds_outputs(self) -> bool:
+        return self.tp_rank == 0  # every rank of a group has the same loss and logits: count them once
+
+    def state_dict(self, hf_model) -> Optional[Dict[str, Any]]:
+        """The shards gathered into whole tensors under their Hugging Face names, on rank 0 (collective): ZeRO-3
+        gathers over both dimensions, below it AutoTP's own consolidation (engine._consolidated_16bit_state_dict,
+        which keeps the module's dtype)."""
+        if self.cfg.zero.stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.engine._consolidated_16bit_state_dict()
+
+
 class Pipeline:
     """The model cut into stages (zerorun.pipeline); a replica is one rank per stage."""
 
@@ -138,4 +167,5 @@ class Pipeline:
 
 
 def strategy_for(cfg: RunConfig, plan: Plan, ds_config: Dict[str, Any]):
-    return (Pipeline if plan.pipeline else DataParallel)(cfg, plan, ds_config)
+    kind = Pipeline if plan.pipeline else TensorParallel if plan.tensor_parallel > 1 else DataParallel
+    return kind(cfg, plan, ds_config)

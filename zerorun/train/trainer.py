@@ -256,6 +256,7 @@ class Trainer:
                                barrier=self.dist.barrier,
                                keep_last=self.cfg.trainer.keep_last,
                                world={"ranks": self.world, "data_parallel": self.strategy.dp_world,
+                                      "tensor_parallel": self.plan.tensor_parallel,
                                       "global_batch": self.plan.global_batch_size,
                                       "optimizer": self.plan.optimizer.value},
                                at_point=interrupts.save_hook(self.rank, step, root),
