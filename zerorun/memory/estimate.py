@@ -133,7 +133,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     lora = (lora_targets(cfg.model, cfg.adapter), cfg.adapter.r, cfg.adapter.dropout) if bd.lora else None
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
-                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora)
+                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora,
+                      pipeline=plan.pipeline)
     if not plan.pipeline:
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
