@@ -235,7 +235,7 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     # Start of backward (log_softmax backward): every saved activation + the LM loss transient. The LM
     # head's weight grad comes only after this, when the logits grads are already freed (measured).
     phases["loss"] = phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
-                            *bwd.buffers, *bwd.resident])
+                            *bwd.buffers, *bwd.resident, *bwd.at_loss])
     # Backward through the last layer (recomputed under checkpointing): its grads' working set. A pipeline stage
     # with no transformer layer (the embeddings alone) has neither (measured: tiny BERT's stage 0 read +17%).
     blocks = act.num_layers > 0
