@@ -60,6 +60,10 @@ DECODERS = [  # zerorun/arch/pipe_decoder.py: tiny Llama (untied head), tiny Qwe
      "data.seq_len=256"],
     ["+model=tiny-qwen2", *WIDE, "precision=bf16", "trainer.activation_checkpointing=true",
      "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "data.seq_len=256"],
+    ["+model=tiny-llama", *WIDE, "zero=stage1", "precision=fp32", "trainer.activation_checkpointing=true",
+     "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "data.seq_len=512"],
+    ["+model=tiny-qwen2", *WIDE, "zero=stage1", "precision=fp32", "trainer.micro_batch_size=4",
+     "trainer.global_batch_size=16", "data.seq_len=256"],
 ]
 
 

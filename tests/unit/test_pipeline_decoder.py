@@ -204,6 +204,21 @@ def test_each_stage_holds_its_own_layers(name):
     assert "embedding grad" in first["phases"] and ("embedding grad" in last["phases"]) == tied
 
 
+def test_a_zero1_stage_holds_its_reduce_bucket_through_the_step():
+    """PipelineEngine reduces once per step: the bucket the first gradient hook allocates is alive at every later
+    micro-batch's loss, and the gradient partition only from the reduce (measured: the last stage read -7.5%
+    without the bucket, the first +10.5% with the partition)."""
+    cfg = composed("+model=tiny-llama", "parallel=pipeline", "launcher.nproc_per_node=2", "zero=stage1",
+                   "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "data.seq_len=512")
+    plan = make_plan(cfg, CPU2)
+    for st in M.estimate(cfg, plan, CPU_HOST).stages:
+        loss, step = st["phases"]["loss"], st["phases"]["optimizer step"]
+        assert loss["reduce buckets"] == plan.buckets.reduce_bucket_size * 4
+        assert loss["gradients"] == 4 * st["params"] - (4 * M.param_breakdown(cfg.model).tied_embedding
+                                                         if "lm_head (tied embed_tokens)" in st["layers"] else 0)
+        assert "reduce buckets" not in step
+
+
 def test_rules_let_a_llama_class_pipeline_run_and_still_refuse_a_traced_decoder(tmp_path):
     ok = composed("+model=tiny-llama", "parallel=pipeline", "launcher.nproc_per_node=2", "parallel.micro_batches=4")
     assert not [p for p in check(ok, CPU2, libaio=True, writable=lambda p: None) if p.key == "parallel.mode"]
