@@ -9,6 +9,7 @@ Not a test (a few minutes); tests/e2e/test_pipeline_parity.py checks one configu
 
     .venv/bin/python benchmarks/pipeline_memory.py            # tiny GPT-2 / BERT matrix
     .venv/bin/python benchmarks/pipeline_memory.py --real     # + GPT-2 small (124M), 2 stages
+    .venv/bin/python benchmarks/pipeline_memory.py --decoders  # Llama-class decoders instead (tiny Llama, Qwen2)
 """
 from __future__ import annotations
 
@@ -47,7 +48,28 @@ def long_texts(path: Path, rows: int = 400) -> Path:
     return path
 
 
-def matrix(real: bool, texts: Path) -> List[List[str]]:
+WIDE = ["model.num_layers=4", "model.hidden_size=256", "model.intermediate_size=704"]
+DECODERS = [  # zerorun/arch/pipe_decoder.py: tiny Llama (untied head), tiny Qwen2 (q/k/v biases, tied head)
+    ["+model=tiny-llama", "precision=bf16", "trainer.micro_batch_size=4", "trainer.global_batch_size=16",
+     "data.seq_len=128"],
+    ["+model=tiny-llama", "precision=fp32", "trainer.activation_checkpointing=true", "trainer.micro_batch_size=4",
+     "trainer.global_batch_size=16", "data.seq_len=128"],
+    ["+model=tiny-qwen2", "precision=bf16", "trainer.micro_batch_size=4", "trainer.global_batch_size=16",
+     "data.seq_len=128"],
+    ["+model=tiny-llama", *WIDE, "precision=fp32", "trainer.micro_batch_size=4", "trainer.global_batch_size=16",
+     "data.seq_len=256"],
+    ["+model=tiny-qwen2", *WIDE, "precision=bf16", "trainer.activation_checkpointing=true",
+     "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "data.seq_len=256"],
+    ["+model=tiny-llama", *WIDE, "zero=stage1", "precision=fp32", "trainer.activation_checkpointing=true",
+     "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "data.seq_len=512"],
+    ["+model=tiny-qwen2", *WIDE, "zero=stage1", "precision=fp32", "trainer.micro_batch_size=4",
+     "trainer.global_batch_size=16", "data.seq_len=256"],
+]
+
+
+def matrix(real: bool, texts: Path, decoders: bool = False) -> List[List[str]]:
+    if decoders:
+        return list(DECODERS)
     runs = []
     for model in ("tiny-gpt2", "tiny-bert"):
         for dtype in ("fp32", "bf16"):
@@ -68,6 +90,7 @@ def matrix(real: bool, texts: Path) -> List[List[str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="also GPT-2 small (124M parameters)")
+    ap.add_argument("--decoders", action="store_true", help="Llama-class decoders (tiny Llama, tiny Qwen2) instead")
     ap.add_argument("--only", default="", help="run only configurations whose overrides contain this text")
     args = ap.parse_args()
     env = dict(os.environ, ZERORUN_TRACK_MEMORY="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -76,7 +99,7 @@ def main() -> int:
           f"  {'states est/measured':>22}  peak phase")
     with tempfile.TemporaryDirectory() as tmp:
         texts = long_texts(Path(tmp) / "long.jsonl")
-        for i, overrides in enumerate(matrix(args.real, texts)):
+        for i, overrides in enumerate(matrix(args.real, texts, args.decoders)):
             if args.only and args.only not in " ".join(overrides):
                 continue
             run_dir = Path(tmp) / f"run{i}"

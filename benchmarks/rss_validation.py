@@ -1,6 +1,6 @@
 """The memory gate's per-rank figure against what the OS saw: each rank's peak RSS in real zerorun runs.
 
-    python benchmarks/rss_validation.py [--set quick|full|gpt2] [--calibrated] [--out rows.jsonl]
+    python benchmarks/rss_validation.py [--set quick|full|gpt2|decoder-pipeline] [--calibrated] [--out rows.jsonl]
     python benchmarks/rss_validation.py --random N [--seed S]     # a new held-out set each time
 
 Each point is a real `zerorun` run on CPU ranks (a few steps, the final evaluation, checkpoint and export
@@ -56,6 +56,16 @@ def points(which: str, data_dir: Path) -> List[List[str]]:
                 ["+model=tiny-bert", "zero=stage2", "data.seq_len=256", *bert_data],
                 ["+model=tiny-gpt2", "zero=stage1", "launcher.nproc_per_node=1", "data.seq_len=256"],
                 ["+model=tiny-gpt2", "parallel=pipeline", "parallel.micro_batches=4", "data.seq_len=128"]]
+    if which == "decoder-pipeline":  # Llama-class decoders cut into 2 stages (zerorun/arch/pipe_decoder.py)
+        pipe = ["parallel=pipeline", "parallel.micro_batches=4"]
+        wide = ["model.num_layers=4", "model.hidden_size=256", "model.intermediate_size=704"]
+        return [["+model=tiny-llama", *pipe, "data.seq_len=128"],
+                ["+model=tiny-qwen2", *pipe, "precision=bf16", "trainer.activation_checkpointing=true",
+                 "data.seq_len=256", "trainer.micro_batch_size=4"],
+                ["+model=tiny-llama", *pipe, *wide, "precision=bf16", "data.seq_len=256", "trainer.micro_batch_size=4"],
+                ["+model=tiny-qwen2", *pipe, *wide, "zero=stage1", "trainer.activation_checkpointing=true",
+                 "data.seq_len=512", "trainer.micro_batch_size=2"],
+                ["+model=tiny-llama", *pipe, *wide, "data.seq_len=384", "trainer.micro_batch_size=8"]]
     grid = [(z, p, c) for z in (0, 1, 2, 3) for p in ("fp32", "bf16") for c in ("false", "true")]
     if which in ("quick", "full"):
         for z, p, c in grid if which == "full" else grid[::3]:
@@ -280,7 +290,7 @@ def summarize(rows: List[Dict]) -> List[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", default="quick", choices=("ci", "quick", "full", "gpt2"))
+    ap.add_argument("--set", default="quick", choices=("ci", "quick", "full", "gpt2", "decoder-pipeline"))
     ap.add_argument("--out", help="append every rank's row as JSON lines")
     ap.add_argument("--mmap", type=int, default=1, help="launcher.mmap_threshold_mib of every run (1: validated)")
     ap.add_argument("--calibrated", action="store_true",

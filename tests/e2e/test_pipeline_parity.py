@@ -1,4 +1,5 @@
-"""parallel=pipeline on 2 CPU ranks (2 stages) against parallel=dp with the same global batch."""
+"""parallel=pipeline on 2 CPU ranks (2 stages) against parallel=dp with the same global batch: GPT-2, BERT and a
+Llama-class decoder (tiny Llama: RMSNorm, SwiGLU, grouped-query attention, RoPE, an untied head)."""
 import json
 import sys
 
@@ -16,14 +17,16 @@ COMMON = ["launcher.nproc_per_node=2", "trainer.max_steps=20", "trainer.micro_ba
 MODELS = {
     "gpt2": ["trainer.lr=2e-3"],
     "bert": ["+model=tiny-bert", "trainer.lr=2e-4"],
+    "llama": ["+model=tiny-llama", "trainer.lr=2e-3"],
 }
 # Same data per step and the same initial weights; what differs is the order of floating-point sums
-# (dp all-reduces gradients of 2 ranks × 2 micro-batches, the pipeline accumulates 4 micro-batches).
-# The first steps agree to float rounding; after that AdamW's m/sqrt(v) turns last-bit gradient
-# differences of near-zero gradients into full-size updates, so the trajectories drift apart
-# slowly (measured over 20 steps: GPT-2 max |Δloss| 1.4e-2 on losses 8.4→4.7, tiny BERT 2.7e-2 on ~0.75).
-FIRST_STEPS_TOL = 1e-5  # steps 1-2: same weights, same gradients up to summation order
-REL_TOL = 0.05          # every step: |Δloss| / loss
+# (dp all-reduces gradients of 2 ranks × 2 micro-batches, the pipeline accumulates 4 micro-batches), so the
+# trajectories agree to float rounding: measured over 20 steps, max |Δloss| 4.8e-7 (GPT-2, tiny Llama) and 1.0e-7
+# (tiny BERT), exported logits within 4e-7 of their scale. (Until every stage counted in the fp32 gradient norm,
+# zerorun.pipeline.module.count_every_stage_in_the_gradient_norm, clipping used stage 0's norm alone and the
+# runs drifted apart by 1.4e-2 (GPT-2), 2.7e-2 (BERT) and 1.7e-2 (Llama) in loss, the logits by up to 11%.)
+LOSS_TOL = 1e-5    # every step: |Δloss|
+LOGITS_TOL = 1e-5  # the exported logits: |Δ| / their largest magnitude
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -41,9 +44,8 @@ def test_pipeline_matches_data_parallel(tmp_path, cache_dir, model):
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(dp, pp)]
     print(f"\n{model}: pipeline vs dp over 20 steps, max |Δloss| = {max(diffs):.2e}, "
           f"losses {dp[0]['loss']:.4f}→{dp[-1]['loss']:.4f} (dp) {pp[0]['loss']:.4f}→{pp[-1]['loss']:.4f} (pipeline)")
-    assert max(diffs[:2]) < FIRST_STEPS_TOL, diffs
-    assert all(d / a["loss"] < REL_TOL for d, a in zip(diffs, dp)), diffs
-    if model == "gpt2":  # tiny BERT from scratch on 2 labels barely moves in 20 steps; parity is the point
+    assert max(diffs) < LOSS_TOL, diffs
+    if model != "bert":  # tiny BERT from scratch on 2 labels barely moves in 20 steps; parity is the point
         assert pp[-1]["loss"] < pp[0]["loss"] - 1.0
     # The pipeline's export is a normal HF checkpoint: it reloads and reproduces the engine's logits,
     # and gives the same logits as the dp run's export.
@@ -51,20 +53,17 @@ def test_pipeline_matches_data_parallel(tmp_path, cache_dir, model):
     probe_dp = torch.load(runs["dp"] / "export" / "probe.pt")
     probe_pp = torch.load(runs["pipeline"] / "export" / "probe.pt")
     assert torch.equal(probe_dp["inputs"]["input_ids"], probe_pp["inputs"]["input_ids"])
-    # After 20 drifting steps the logits agree to 5% of their scale for GPT-2; tiny BERT's 2 logits are
-    # small (|z| ≈ 0.25) and measured 0.04 apart, so it is held to 25% and the same predicted class.
     scale = probe_dp["logits"].abs().max()
-    tol = REL_TOL if model == "gpt2" else 0.25
-    assert torch.allclose(probe_dp["logits"], probe_pp["logits"], atol=float(tol * scale), rtol=0)
-    # Predictions: BERT's class must match exactly. GPT-2's next-token argmax over 300+ tokens has
-    # near-ties that the drift can flip (CI saw 1 of 64 positions flip between tokens 0.04 apart),
-    # so it is held to 95% of positions.
+    print(f"{model}: exported logits differ by at most {float((probe_dp['logits'] - probe_pp['logits']).abs().max() / scale):.2e}"
+          " of their scale")
+    assert torch.allclose(probe_dp["logits"], probe_pp["logits"], atol=float(LOGITS_TOL * scale), rtol=0)
+    # Predictions: the same class, and the same next token wherever two candidates are not tied to float rounding.
     agree = (probe_dp["logits"].argmax(-1) == probe_pp["logits"].argmax(-1)).float().mean().item()
     print(f"{model}: exported predictions agree on {agree:.1%} of positions")
-    assert agree == 1.0 if model == "bert" else agree >= 0.95, agree
+    assert agree == 1.0 if model == "bert" else agree >= 0.99, agree
 
 
-@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-bert"])
+@pytest.mark.parametrize("model", ["tiny-gpt2", "tiny-bert", "tiny-qwen2"])
 def test_per_stage_estimate_matches_the_measured_stage(tmp_path, cache_dir, model):
     """Each stage's estimated peak against its rank's measured peak of live tensor bytes
     (ZERORUN_TRACK_MEMORY=1), 4 micro-batches per step so the first stage holds 2 in flight (BERT at 256
@@ -82,7 +81,7 @@ def test_per_stage_estimate_matches_the_measured_stage(tmp_path, cache_dir, mode
     run_dir = tmp_path / "run"
     proc = run_zerorun(["parallel=pipeline", "parallel.stages=2", "launcher.nproc_per_node=2", f"+model={model}",
                         "precision=bf16", "trainer.max_steps=2", "trainer.micro_batch_size=4",
-                        "trainer.global_batch_size=16", f"data.seq_len={128 if model == 'tiny-gpt2' else 256}",
+                        "trainer.global_batch_size=16", f"data.seq_len={256 if model == 'tiny-bert' else 128}",
                         "trainer.progress=false",
                         "trainer.save_every=0", "trainer.eval_every=0", "trainer.export=false", *data],
                        run_dir, cache_dir, env_extra={"ZERORUN_TRACK_MEMORY": "1"})

@@ -1,4 +1,5 @@
-"""A real one-process PipelineModule + PipelineEngine on gloo (in a subprocess) against the HF model."""
+"""A real one-process PipelineModule + PipelineEngine on gloo (in a subprocess) against the HF model: GPT-2, BERT and
+a Llama-class decoder (Qwen2 with its head tied to the embedding)."""
 import json
 import os
 import socket
@@ -14,7 +15,8 @@ ENGINE_SCRIPT = textwrap.dedent('''
     import copy, json, sys
     import torch
     import deepspeed
-    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, Qwen2Config,
+                              Qwen2ForCausalLM)
     from zerorun.pipeline import build_pipeline_module, export_state_dict
 
     torch.set_num_threads(1)
@@ -72,6 +74,12 @@ ENGINE_SCRIPT = textwrap.dedent('''
         x[1, width - 4:] = 0
         batches.append(((x, m), torch.tensor([0, 1])))
     check("bert", bert, "sequence_classification", batches, interval=1)
+
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         tie_word_embeddings=True))
+    model_before["qwen2"] = copy.deepcopy(qwen2.state_dict())
+    check("qwen2", qwen2, "causal_lm", [((i,), i) for i in ids], interval=1)
     print("RESULT " + json.dumps(results), flush=True)
 ''')
 
@@ -84,7 +92,8 @@ def _free_port() -> int:
 
 def test_one_process_pipeline_engine_matches_hf(tmp_path):
     """PipelineModule(num_stages=1) + PipelineEngine: eval_batch and train_batch losses equal the HF
-    model's, and one SGD step (2 micro-batches, activation checkpointing on) gives the same weights."""
+    model's, and one SGD step (2 micro-batches, activation checkpointing on) gives the same weights (the tied
+    embedding's gradient summed over its two uses)."""
     script = tmp_path / "engine_check.py"
     script.write_text(ENGINE_SCRIPT)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",

@@ -78,7 +78,7 @@ def test_decoder_rules_refuse_what_cannot_run():
                                                 writable=lambda p: None)]
     assert problems() == []
     assert "model.num_kv_heads" in problems("model.num_kv_heads=3")
-    assert "parallel.mode" in problems("parallel=pipeline", "parallel.stages=2", "parallel.micro_batches=4")
+    assert "parallel.mode" not in problems("parallel=pipeline", "parallel.stages=2", "parallel.micro_batches=4")
     assert "task" in problems("task=sequence_classification")
     assert "model.model_type" in problems("model.model_type=gemma")
 

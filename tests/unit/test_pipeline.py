@@ -184,7 +184,22 @@ def test_layer_lists_and_checkpointable_classes():
     assert last.forward_fn is not None and first.forward_fn is None
     bert = [spec.typename.__name__ for spec in pipeline_layers(tiny_bert())]
     assert bert == ["EncoderEmbeddingPipe", "EncoderLayerPipe", "EncoderLayerPipe", "BertClassifierHeadPipe"]
-    assert set(checkpointable_layers()) == {"GPT2BlockPipe", "EncoderLayerPipe"}
+    assert set(checkpointable_layers()) == {"GPT2BlockPipe", "EncoderLayerPipe", "DecoderLayerPipe"}
+
+
+def test_every_stage_counts_in_the_fp32_gradient_norm():
+    """DeepSpeed's fp32 clip_grad_norm_ counts a parameter on a later stage only if it is marked model-parallel;
+    the tied copy DeepSpeed marks replicated is left to the first stage."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
+    from zerorun.pipeline.module import count_every_stage_in_the_gradient_norm
+
+    pipe = SequentialPipe(pipeline_layers(tiny_gpt2()))
+    replicated = pipe.tied_modules["embed"].weight
+    replicated.ds_pipe_replicated = True
+    count_every_stage_in_the_gradient_norm(pipe)
+    assert not is_model_parallel_parameter(replicated)
+    assert all(is_model_parallel_parameter(p) for p in pipe.parameters() if p is not replicated)
 
 
 def test_layers_wrap_the_models_own_parameters():

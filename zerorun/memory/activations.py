@@ -97,7 +97,8 @@ def attention_kernel(accelerator: str, dropout: float) -> str:
 
 def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, accelerator: str,
                 checkpointing: bool, kernel: Optional[str] = None, task: Optional[TaskName] = None,
-                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD, lora=None, tp: int = 1) -> Activations:
+                num_labels: int = 2, mmap_threshold: int = CPU_MMAP_THRESHOLD, lora=None, tp: int = 1,
+                pipeline: bool = False) -> Activations:
     """Activation bytes per rank for one micro-batch, by the template of Korthikanti Eq. 1 (§3.1); ``tp``: on one
     rank of a tensor-parallel group (Llama-class decoders: ``decoder_activations``).
 
@@ -119,13 +120,16 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     - eager: Eq. 1's attention core (+ the KV-cache copies for GPT-2). Not zerorun's default.
     - dropout masks: 1 byte on CUDA, the compute dtype on CPU (§3.7); none when dropout = 0.
     - BERT and RoBERTa encoders are the same here (erf GeLU, no cache).
+
+    ``pipeline``: as zerorun.pipeline's layers run the model (parallel=pipeline), where that differs from the
+    model's own forward (a Llama-class decoder: ``decoder_activations``).
     """
     if traits(m).traced:
         return traced_activations(m, micro_batch, seq_len, Dtype(dtype), accelerator, checkpointing, task, num_labels,
                                   mmap_threshold, lora)
     if traits(m).modern:
         return decoder_activations(decoder_of(m, tp), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
-                                   checkpointing, num_labels, mmap_threshold, lora)
+                                   checkpointing, num_labels, mmap_threshold, lora, pipeline)
     full = _activations(m, micro_batch, seq_len, dtype, accelerator, checkpointing, kernel, task, num_labels,
                         mmap_threshold)
     if lora is None:
@@ -220,7 +224,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
 
 
 def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, checkpointing: bool, num_labels: int,
-                        mmap_threshold: int, lora=None) -> Activations:
+                        mmap_threshold: int, lora=None, pipeline: bool = False) -> Activations:
     """A Llama-class decoder's activations with SDPA (transformers' default on every device; no dropout): the
     tensors zerorun/arch/decoder.py lists, summed. In training HF keeps a KV cache (use_cache), so the causal mask is
     skipped and K/V stay at their own heads; checkpointing turns the cache off, and recomputation takes the
@@ -231,7 +235,11 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
     says so), what is hidden-wide stays whole (the norms, the projections' inputs, the residual stream: the column-
     parallel layers take the whole input, the row-parallel ones all-reduce a whole output). An untied head's logits
     are gathered whole (layers.py GatherFromTensorParallelRegion) before the loss, so the loss transient is the one
-    of the whole vocabulary, plus the rank's own slice of the logits' gradient that the gather's backward cuts out."""
+    of the whole vocabulary, plus the rank's own slice of the logits' gradient that the gather's backward cuts out.
+
+    ``pipeline``: zerorun.arch.pipe_decoder's layers give every layer the padding mask, so with or without
+    checkpointing SDPA takes the unmasked path (no mask kept, K/V at their own heads), and each layer computes and
+    saves its own RoPE cos/sin (``Decoder.saved_rope``) where the model shares one table (docs/memory.md §6)."""
     total = lambda sizes: sum(n * size for n, size in sizes)  # noqa: E731
     small = (lambda sizes: sum(n * size for n, size in sizes if 0 < size < mmap_threshold)) \
         if accelerator == "cpu" else (lambda sizes: 0)
@@ -244,6 +252,11 @@ def decoder_activations(d: Decoder, b: int, s: int, e: int, accelerator: str, ch
     kept = e * d.hidden * t
     mask = b * s * s if checkpointing else 0
     shard = e * t * d.head_vocab if d.tp > 1 and not d.tied else 0
+    if pipeline:
+        rope = d.saved_rope(s, e)
+        plain = masked = [*plain, *rope]
+        outside = [term for term in outside if term not in rope]
+        mask = 0
     return Activations("sdpa-fused", total(plain), total(masked), kept, total(outside) + mask,
                        working_set=e * d.hidden * t + 2 * e * d.local_intermediate * t,
                        logits_loss=LOSS_BYTES_PER_LOGIT * t * d.vocab + shard, num_layers=d.layers,

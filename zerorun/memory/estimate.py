@@ -134,7 +134,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     lora = (lora_targets(cfg.model, cfg.adapter), cfg.adapter.r, cfg.adapter.dropout) if bd.lora else None
     act = activations(cfg.model, plan.micro_batch_size, plan.seq_len, Dtype(cfg.precision.dtype),
                       plan.world.accelerator, cfg.trainer.activation_checkpointing, task=plan.task, num_labels=labels,
-                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora, tp=tp)
+                      mmap_threshold=small_block_threshold(cfg.launcher, plan.world.accelerator), lora=lora, tp=tp,
+                      pipeline=plan.pipeline)
     if bd.quantized:  # each 4-bit layer dequantizes its weight into the compute dtype for forward and backward
         largest = max((i * o for shapes in layer_linears(cfg.model).values() for i, o in shapes), default=0)
         act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
@@ -250,7 +251,7 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     # Start of backward (log_softmax backward): every saved activation + the LM loss transient. The LM
     # head's weight grad comes only after this, when the logits grads are already freed (measured).
     phases["loss"] = phase([*fwd_states.items(), ("activations", acts), ("logits + loss", act.logits_loss),
-                            *bwd.buffers, *bwd.resident])
+                            *bwd.buffers, *bwd.resident, *bwd.at_loss])
     # Backward through the last layer (recomputed under checkpointing): its grads' working set. A pipeline stage
     # with no transformer layer (the embeddings alone) has neither (measured: tiny BERT's stage 0 read +17%).
     blocks = act.num_layers > 0

@@ -37,8 +37,9 @@ class PipelineStage:
 
     @property
     def holds_both_tied_ends(self) -> bool:
-        """GPT-2's tied embedding and LM head on this one stage: one tensor, built once."""
-        return {"wte", "lm_head (tied wte)"} <= set(self.layers)
+        """A tied embedding and LM head (GPT-2's, a tied Llama-class decoder's) on this one stage: one tensor,
+        built once."""
+        return any({word, head} <= set(self.layers) for head, word in TIED_HEADS.items())
 
     @property
     def buffers(self) -> int:
@@ -50,9 +51,19 @@ class PipelineStage:
                 "in_flight_micro_batches": self.in_flight}
 
 
+TIED_HEADS = {"lm_head (tied wte)": "wte", "lm_head (tied embed_tokens)": "embed_tokens"}
+"""A tied LM head's layer name → its word embedding's (DeepSpeed TiedLayerSpec: one module on both ends)."""
+FIRST_LAYERS = ("wte", "embeddings", "embed_tokens")
+
+
 def pipeline_layer_params(bd: ParamBreakdown) -> List[Tuple[str, int]]:
     """zerorun.pipeline.pipeline_layers as (name, trainable parameters) — what DeepSpeed's
     ``_count_layer_params`` weighs, the tied embedding counted at both of its uses."""
+    if bd.arch.modern:  # zerorun/arch/pipe_decoder.py: embed_tokens, the decoder layers, norm, the LM head
+        norm, *lm_head = bd.head_tensors
+        head = [("lm_head (tied embed_tokens)", bd.tied_embedding)] if bd.tied_embedding else \
+            [("lm_head", sum(lm_head))]
+        return [("embed_tokens", bd.embeddings), *[("block", bd.per_layer)] * bd.num_layers, ("norm", norm), *head]
     if bd.arch.position_table_apart:
         wte, wpe = bd.embedding_tensors
         head = [("ln_f", bd.head), ("lm_head (tied wte)", bd.tied_embedding)] if bd.tied_embedding else \
@@ -130,18 +141,24 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
     every slot stay alive in the module dtype — twice the logits at 1 micro-batch in flight.
     """
     names = set(st.layers)
-    first = "wte" in names or "embeddings" in names
+    first = bool(names & set(FIRST_LAYERS))
     emb = tuple(t for t, n in zip(bd.embedding_tensors, ("wte", "wpe + dropout")) if n in names) \
         if bd.arch.position_table_apart else (bd.embedding_tensors if first else ())
     both = st.holds_both_tied_ends
-    head_copy = bd.tied_embedding if ("lm_head (tied wte)" in names and not both) else 0
-    head = (bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()) + \
-        ((head_copy,) if head_copy else ())
-    per_block_buffers = bd.arch.position_table_apart
+    head_copy = bd.tied_embedding if (names & set(TIED_HEADS) and not both) else 0
+    if bd.arch.modern:  # the final norm and an untied LM head are layers of their own
+        head = (bd.head_tensors[:1] if "norm" in names else ()) + (bd.head_tensors[1:] if "lm_head" in names else ())
+    else:
+        head = bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()
+    head += (head_copy,) if head_copy else ()
+    if bd.arch.position_table_apart:  # GPT-2: every block holds its causal-mask buffer
+        buffer_bytes = (bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks
+    elif bd.arch.modern:  # the rotary table's inv_freq, one module every rank keeps (it holds no parameter)
+        buffer_bytes = bd.buffer_bytes
+    else:
+        buffer_bytes = bd.buffer_bytes if first else 0
     view = ParamBreakdown(bd.arch, emb, bd.layer_tensors, st.blocks, head,
-                          tied_embedding=bd.tied_embedding if both else 0,
-                          buffer_bytes=(bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks if per_block_buffers
-                          else (bd.buffer_bytes if first else 0),
+                          tied_embedding=bd.tied_embedding if both else 0, buffer_bytes=buffer_bytes,
                           head_word=head_copy)
     outside = (act.outside_first if first else 0) + ((act.outside_layers - act.outside_first) if last else 0)
     b, s_len = cfg.trainer.micro_batch_size, cfg.data.seq_len
@@ -155,7 +172,8 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
         buffers += st.buffers * ids  # labels
     else:
         buffers += hidden  # grad_layer: the output gradient received from the next stage
-    # The pipeline's GPT-2 blocks run without the KV cache (zerorun.arch.pipe_classic.GPT2BlockPipe: use_cache=False).
+    # The pipeline's blocks run without a KV cache (pipe_classic.GPT2BlockPipe and pipe_decoder.DecoderLayerPipe:
+    # use_cache=False); a Llama-class decoder's ``act`` is already the pipeline's (activations(pipeline=True)).
     stage_act = dataclasses.replace(act, per_layer=act.recompute_layer, outside_layers=outside,
                                     small_outside=act.small_outside if (first or last) else 0,
                                     outside_first=act.outside_first if first else 0, num_layers=st.blocks,

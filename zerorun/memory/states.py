@@ -173,8 +173,10 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         dev.append(("optimizer states", optimizer_state_bytes(cfg, plan, T, small)))
     elif stage in (1, 2):
         if stage == 1:
-            # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition
-            dev.append(("gradients", T * g + (0 if off_opt else tpart * g)))
+            # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition. A pipeline reduces
+            # once, after the step's last backward (PipelineEngine _exec_reduce_grads), and the partition is
+            # released with the bucket at its end: it lives only into the step (estimate.step_phases).
+            dev.append(("gradients", T * g + (0 if off_opt or plan.pipeline else tpart * g)))
         elif not off_opt:
             dev.append(("gradients", tpart * g))  # grads_in_partition (``copy_grads_in_partition``)
         if off_opt:
