@@ -15,7 +15,7 @@ integers are cheaper to send than a ``[B, 1, T, T]`` float mask. Each transforme
 4-D mask itself, with the same Hugging Face function and arguments as the model's own forward.
 
 Each model class's layer list and its wrappers live with its family (zerorun/arch/pipe_classic.py: GPT-2,
-BERT, RoBERTa); this module holds what every family shares: the tasks and their losses, the transport of
+BERT, RoBERTa; zerorun/arch/pipe_decoder.py: Llama, Qwen2, Mistral); this module holds what every family shares: the tasks and their losses, the transport of
 inputs and the padding mask, ``HFPart`` (a layer that names its parameters as the HF model does) and the
 untied LM head.
 

@@ -51,8 +51,8 @@ def resolve_task(model: Optional[nn.Module], task: Any = None) -> str:
 
 
 def pipeline_layers(model: nn.Module, task: Any = None) -> list:
-    """The DeepSpeed layer specs of ``model`` (a class with a recipe: GPT2LMHeadModel,
-    BertForSequenceClassification, RobertaForSequenceClassification), wrapping its own submodules (no copy)."""
+    """The DeepSpeed layer specs of ``model`` (a class with a recipe: ``recipes()``), wrapping its own submodules
+    (no copy)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     recipe, task = _recipe(model), resolve_task(model, task)
