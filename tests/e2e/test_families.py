@@ -30,7 +30,7 @@ def losses(run_dir):
 def within_bound(run_dir):
     est = json.loads((run_dir / "estimate.json").read_text())
     peaks = [r["peak_rss_bytes"] for r in json.loads((run_dir / "summary.json").read_text())["peak_memory"]]
-    assert est["config"]["attention_kernel"] == "traced" and est["config"]["family"] in ("decoder", "encoder")
+    assert est["config"]["attention_kernel"] == "traced" and est["config"]["family"] in ("traced_decoder", "traced_encoder")
     assert max(peaks) <= est["per_rank_bound_bytes"], (peaks, est["per_rank_bound_bytes"])
 
 

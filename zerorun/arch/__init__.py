@@ -50,8 +50,8 @@ FAMILIES: Dict[str, Traits] = {
     "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
     "roberta": Traits("roberta", decoder=False),
     "llama": Traits("llama", decoder=True, modern=True),
-    "decoder": Traits("decoder", decoder=True, pipeline=False, traced=True),
-    "encoder": Traits("encoder", decoder=False, pipeline=False, traced=True),
+    "traced_decoder": Traits("traced_decoder", decoder=True, pipeline=False, traced=True),
+    "traced_encoder": Traits("traced_encoder", decoder=False, pipeline=False, traced=True),
 }
 """The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
 PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic", "zerorun.arch.pipe_decoder")
@@ -181,6 +181,36 @@ def shape_problems(m, pipeline: bool) -> List[Tuple[str, str, str, object]]:
                     "parallel=dp with zero=stage3 (and offload) to spread the model instead.", "parallel.mode",
                     "pipeline"))
     return out
+
+
+# ---------------------------------------------------------------- tensor parallelism (DeepSpeed AutoTP)
+AUTOTP_REJECTS = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "xlm", "xlnet")
+"""Model types DeepSpeed's AutoTP refuses to shard (module_inject/auto_tp.py ``AutoTP.supported``)."""
+
+
+def tp_problems(m, tp: int) -> List[Tuple[str, str, str, object]]:
+    """(what, fix, key, value) for parallel=tp with this model: AutoTP shards it, zerorun has trained it (Llama-class
+    decoders), and ``tp`` divides its key/value heads (AutoTP splits attention by whole key/value heads: a rank
+    beyond their count holds no attention shard, an uneven split loads the first ranks more)."""
+    code = model_code(m)
+    if code in AUTOTP_REJECTS:
+        return [(f"parallel=tp with model {m.name} ({code}): DeepSpeed's AutoTP cannot shard {code} models.",
+                 "parallel=dp with zero=stage3 (and offload=cpu) to spread the model, or a Llama-class model "
+                 f"({', '.join(DECODER_TYPES)}).", "parallel.mode", "tp")]
+    if not traits(m).modern:
+        return [(f"parallel=tp with model {m.name} ({code}): zerorun trains tensor parallelism for Llama-class "
+                 f"decoders ({', '.join(DECODER_TYPES)}) only so far.",
+                 "parallel=dp with zero=stage3 (and offload=cpu) to spread the model.", "parallel.mode", "tp")]
+    kv = decoder_of(m).kv_heads
+    sizes = [d for d in range(2, kv + 1) if kv % d == 0]
+    fix = (f"parallel.tp_size in {{{', '.join(map(str, sizes))}}}, or " if sizes else "") + "parallel=dp with zero=stage3."
+    if tp > kv:
+        return [(f"parallel.tp_size={tp} exceeds the {kv} key/value heads of {m.name}: AutoTP splits attention by "
+                 "whole key/value heads, so some ranks would hold none.", fix, "parallel.tp_size", tp)]
+    if kv % tp:
+        return [(f"parallel.tp_size={tp} does not divide the {kv} key/value heads of {m.name}: AutoTP would give the "
+                 "first ranks more heads than the others.", fix, "parallel.tp_size", tp)]
+    return []
 
 
 # ---------------------------------------------------------------- LoRA (peft)

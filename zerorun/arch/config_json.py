@@ -97,7 +97,7 @@ def _traced_fields(kind: str, d: Dict[str, Any], where: str) -> Dict[str, Any]:
                                 "only what that pass can run") from None
     h, a = cfg.hidden_size, cfg.num_attention_heads
     inner = getattr(cfg, "intermediate_size", None) or 4 * h
-    return dict(family="decoder" if causal else "encoder", model_type=kind, hf_config=fields,
+    return dict(family="traced_decoder" if causal else "traced_encoder", model_type=kind, hf_config=fields,
                 num_layers=cfg.num_hidden_layers, hidden_size=h, num_heads=a,
                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or a,
                 head_dim=getattr(cfg, "head_dim", None) or h // a, intermediate_size=inner,

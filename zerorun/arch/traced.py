@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
                 "quantization_config", "auto_map", "use_cache")

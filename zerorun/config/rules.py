@@ -114,41 +114,13 @@ def qlora_problems(adapter) -> List[UserError]:
     return out
 
 
-AUTOTP_REJECTS = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "xlm", "xlnet")
-"""Model types DeepSpeed's AutoTP refuses to shard (module_inject/auto_tp.py ``AutoTP.supported``)."""
-
-
 def tp_problems(m, tp_size: int, world_size: int, offload: OffloadDevice) -> List[UserError]:
-    """What parallel=tp needs: a Llama-class decoder (zerorun estimates and has trained AutoTP on those; DeepSpeed
-    refuses GPT-2), a tp_size that divides the key/value heads (AutoTP splits attention by whole key/value heads:
-    a rank beyond their count holds no attention shard, an uneven split loads the first ranks more) and the world,
-    and no offload (not run with AutoTP here)."""
-    from ..arch import decoder_of, traits
+    """What parallel=tp needs: a family AutoTP shards and zerorun has trained with it, a tp_size that fits its
+    key/value heads (zerorun/arch ``tp_problems``) and divides the world, and no offload (not run with AutoTP here)."""
+    from ..arch import tp_problems as arch_problems
 
-    tp, out = max(1, tp_size), []
-    code = m.model_type if traits(m).modern or traits(m).traced else Family(m.family).value
-    if code in AUTOTP_REJECTS:
-        out.append(UserError(f"parallel=tp with model {m.name} ({code}): DeepSpeed's AutoTP cannot shard {code} "
-                             "models.", "parallel=dp with zero=stage3 (and offload=cpu) to spread the model, or a "
-                             "Llama-class model (llama, qwen2, mistral).", key="parallel.mode", value="tp"))
-    elif not traits(m).modern:
-        out.append(UserError(f"parallel=tp with model {m.name} ({code}): zerorun trains tensor parallelism for "
-                             "Llama-class decoders (model.family=llama: llama, qwen2, mistral) only so far.",
-                             "parallel=dp with zero=stage3 (and offload=cpu) to spread the model.",
-                             key="parallel.mode", value="tp"))
-    else:
-        kv = decoder_of(m).kv_heads
-        sizes = [d for d in range(2, kv + 1) if kv % d == 0]
-        fix = (f"parallel.tp_size in {{{', '.join(map(str, sizes))}}}, or " if sizes else "") + \
-            "parallel=dp with zero=stage3."
-        if tp > kv:
-            out.append(UserError(f"parallel.tp_size={tp} exceeds the {kv} key/value heads of {m.name}: AutoTP splits "
-                                 "attention by whole key/value heads, so some ranks would hold none.", fix,
-                                 key="parallel.tp_size", value=tp))
-        elif kv % tp:
-            out.append(UserError(f"parallel.tp_size={tp} does not divide the {kv} key/value heads of {m.name}: "
-                                 "AutoTP would give the first ranks more heads than the others.", fix,
-                                 key="parallel.tp_size", value=tp))
+    tp = max(1, tp_size)
+    out = [UserError(what, fix, key=key, value=value) for what, fix, key, value in arch_problems(m, tp)]
     if world_size % tp:
         out.append(UserError(f"parallel.tp_size={tp} does not divide the world size {world_size}: every rank "
                              "belongs to one tensor-parallel group.", f"launcher.nproc_per_node × launcher.nnodes a "

@@ -192,7 +192,7 @@ class ModelConfig:
     """Architecture family (zerorun/arch FAMILIES): decoders, or encoders trained for classification."""
     model_type: str = text("")
     """config.json's model_type: llama, qwen2 or mistral for family=llama; any transformers model_type for
-    family=decoder|encoder (which transformers class builds it)."""
+    family=traced_decoder|traced_encoder (which transformers class builds it)."""
     from_config_json: bool = False
     """true (the ``hf`` model file): read the architecture from name_or_path's config.json when composing."""
     name_or_path: str = path_field(PathKind.source)
@@ -221,7 +221,7 @@ class ModelConfig:
     dropout: float = num(0.1, ge=0, lt=1)
     """Dropout on embeddings, attention and residuals (HF's default)."""
     hf_config: Dict[str, Any] = field(default_factory=dict)
-    """family=decoder|encoder (any other model_type transformers builds): its config.json's fields, which build the
+    """family=traced_decoder|traced_encoder (any other model_type transformers builds): its config.json's fields, which build the
     model and from which zerorun plans it (zerorun/arch/traced.py); the fields above then only summarise it."""
 
 
