@@ -59,9 +59,15 @@ def quantization_config(compute_dtype: str):
     import torch
     from transformers import BitsAndBytesConfig
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_dtype]
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+                              bnb_4bit_compute_dtype=torch_dtype(compute_dtype), bnb_4bit_quant_storage=torch.uint8)
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a precision.dtype value (fp32, bf16, fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dtype: str, device: str):
@@ -70,11 +76,9 @@ def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dty
     import shutil
     import tempfile
 
-    import torch
-
     cls = model_class(task)
     kwargs = dict(quantization_config=quantization_config(compute_dtype), device_map={"": device},
-                  dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[compute_dtype])
+                  dtype=torch_dtype(compute_dtype))
     if task != TaskName.causal_lm:
         kwargs["num_labels"] = num_labels
     if m.pretrained:

@@ -146,11 +146,12 @@ _MEMO: Dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------- parameters
-def _meta_model(model_type: str, fields: Dict[str, Any], task: str, num_labels: int, layers: Optional[int] = None):
+def _meta_model(model_type: str, fields: Dict[str, Any], task: str, num_labels: int, layers: Optional[int] = None,
+                dropout_off: bool = False):
     import torch
     from transformers.modeling_utils import no_init_weights
 
-    cfg = build_config(model_type, fields, num_labels, layers)
+    cfg = build_config(model_type, fields, num_labels, layers, dropout_off)
     try:
         with torch.device("meta"), no_init_weights():
             model = model_class(task).from_config(cfg)
@@ -297,13 +298,10 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers.modeling_utils import no_init_weights
 
-    cfg = build_config(model_type, fields, num_labels, layers, dropout_off)
+    model = _meta_model(model_type, fields, task, num_labels, layers, dropout_off)
+    cfg = model.config
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
-    with torch.device("meta"), no_init_weights():
-        model = model_class(task).from_config(cfg)
-    model.tie_weights()
     if lora is not None:
         from peft import LoraConfig, TaskType, get_peft_model
 
