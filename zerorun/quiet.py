@@ -7,6 +7,8 @@ is dropped, and DeepSpeed's "Attempting to get learning rate from scheduler befo
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -37,8 +39,6 @@ def library_stdout(verbose: bool):
 
 def library_loggers() -> List[logging.Logger]:
     """transformers' and DeepSpeed's root loggers (those already imported; importing them is the caller's)."""
-    import sys
-
     out = [logging.getLogger("transformers"), logging.getLogger("matplotlib"),  # (its font cache: zerorun-report)
            logging.getLogger("py.warnings")]  # libraries' Python warnings (deprecations, peft's notes)
     if "deepspeed" in sys.modules:
@@ -65,11 +65,17 @@ def quiet_libraries(verbose: bool, log_file: Optional[Path] = None) -> None:
                 if not verbose:
                     h.addFilter(_DropNoise())
         if lg.name == "transformers":
-            from transformers.utils import logging as tf_logging
+            tf_level = logging.INFO if (verbose or log_file) else logging.WARNING
+            if "transformers" in sys.modules:
+                from transformers.utils import logging as tf_logging
 
-            tf_logging.set_verbosity(logging.INFO if (verbose or log_file) else logging.WARNING)
-            for h in lg.handlers:  # set_verbosity leaves handler levels alone
-                h.setLevel(level)
+                tf_logging.set_verbosity(tf_level)
+                for h in lg.handlers:  # set_verbosity leaves handler levels alone
+                    h.setLevel(level)
+            else:
+                # Not imported yet (the CLI, which may never need it): transformers reads this variable when it
+                # configures its root logger on import. Importing it only to set a level costs seconds.
+                os.environ["TRANSFORMERS_VERBOSITY"] = logging.getLevelName(tf_level).lower()
         if log_file is not None and not any(isinstance(h, logging.FileHandler) for h in lg.handlers):
             fh = logging.FileHandler(log_file)
             fh.setLevel(logging.INFO)

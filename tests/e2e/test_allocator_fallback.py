@@ -8,7 +8,7 @@ from helpers import run_zerorun
 from zerorun import allocators
 from zerorun.config import Allocator
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ARGS = ["+model=tiny-gpt2", "launcher.nproc_per_node=1", "trainer.max_steps=2", "trainer.export=false",
         "data.seq_len=64", "trainer.progress=false", "trainer.save_every=0"]

@@ -31,8 +31,8 @@ def test_pretrained_minilm_beats_random_init(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param(["zero=stage1"], id="zero1"),
-    pytest.param(["zero=stage2", "precision=bf16"], id="zero2-bf16"),
+    pytest.param(["zero=stage1"], id="zero1", marks=pytest.mark.slow),
+    pytest.param(["zero=stage2", "precision=bf16"], id="zero2-bf16", marks=pytest.mark.slow),
     pytest.param(["zero=stage3", "offload=cpu"], id="zero3-param-offload"),
 ])
 def test_bert_classification(tmp_path, cache_dir, overrides):
@@ -83,7 +83,7 @@ def _corpus(n):
     return synthetic_corpus(n, seed=11)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+@pytest.mark.parametrize("fmt", ["jsonl", pytest.param("txt", marks=pytest.mark.slow)])
 def test_gpt2_lm_on_user_files_reports_perplexity(tmp_path, cache_dir, fmt):
     docs = _corpus(400)
     path = tmp_path / f"corpus.{fmt}"

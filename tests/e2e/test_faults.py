@@ -114,7 +114,8 @@ def long_reference(tmp_path_factory, cache_dir):
     return {m["step"]: m["loss"] for m in read_metrics(run)}
 
 
-@pytest.mark.parametrize("who", ["zerorun", "one-rank", "every-process-torchrun"])
+@pytest.mark.parametrize("who", ["zerorun", *(pytest.param(w, marks=pytest.mark.slow)
+                                                for w in ("one-rank", "every-process-torchrun"))])
 def test_a_stop_signal_checkpoints_exits_75_and_resumes_bit_identically(tmp_path, cache_dir, who, long_reference):
     run = tmp_path / "preempted"
     args = [*LONG, "launcher=torchrun"] if "torchrun" in who else LONG
@@ -182,6 +183,7 @@ def test_a_kill_at_any_point_of_a_save_never_leaves_a_checkpoint_resume_would_tr
     assert skipped == []
 
 
+@pytest.mark.slow  # the kill-point test above checks every point of the save without a run each
 def test_a_rank_killed_mid_save_fails_the_run_and_the_run_resumes(tmp_path, cache_dir):
     run = tmp_path / "killed"
     proc = run_zerorun(SHORT, run, cache_dir, env_extra={"ZERORUN_FAULT_SAVE_KILL": "0:4:3"})  # before COMPLETE

@@ -76,6 +76,7 @@ def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path
     assert len(read_metrics(run_dir)) == 3
 
 
+@pytest.mark.slow
 def test_sweep_skips_points_that_do_not_fit_and_ends_with_a_table_naming_the_fastest(tmp_path, cache_dir):
     import csv
     import re

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_zerorun
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 512, "max_position_embeddings": 256,

@@ -54,7 +54,7 @@ def multinode(hosts, launcher, port):
             f"launcher.master_port={port}"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("deepspeed", marks=pytest.mark.slow)])
 def test_two_hosts_shared_run_dir(hosts, tmp_path, one_host_reference, launcher):
     run = tmp_path / "run"
     run.mkdir()
@@ -74,7 +74,7 @@ def same_as_one_host(got, reference):
         assert m["loss"] == pytest.approx(want["loss"], rel=1e-4), m["step"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow), "deepspeed"])
 def test_a_run_dir_per_node_a_node_killed_and_the_job_resumed(hosts, tmp_path, one_host_reference, launcher):
     """No shared filesystem: each node's run dir on its own "disk". A rank of node 1 dies after step 5; both
     nodes stop; the same command with trainer.resume=true continues from each node's own step-4 checkpoint."""
@@ -163,6 +163,7 @@ def test_a_wrong_master_address_or_a_taken_port_fails_at_once(hosts, tmp_path):
         taker.kill()
 
 
+@pytest.mark.slow
 def test_c10d_rendezvous_nodes_start_in_any_order(hosts, tmp_path, one_host_reference):
     run = tmp_path / "run"
     run.mkdir()

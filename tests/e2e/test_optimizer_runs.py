@@ -13,6 +13,10 @@ RUN = ["launcher.nproc_per_node=2", "trainer.max_steps=8", "trainer.micro_batch_
        "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false"]
 
 
+# ZeRO-3 (partitioned parameters, the most moving parts) in `make test`; the other stages in `make test-all`.
+STAGES = [*(pytest.param(s, marks=pytest.mark.slow) for s in (0, 1, 2)), 3]
+
+
 def summary(run):
     return json.loads((run / "summary.json").read_text())
 
@@ -38,7 +42,7 @@ def eight_bit_run(tmp_path_factory, cache_dir):
     return run_at
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(adamw, eight_bit_run, stage):
     run = eight_bit_run(stage)
     got = read_metrics(run)
@@ -56,7 +60,7 @@ def test_adamw8bit_trains_like_adamw_and_its_states_are_the_estimate(adamw, eigh
           f"{s['estimated_components']['optimizer states']} B estimated")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_run, stage):
     want = read_metrics(eight_bit_run(stage))
     run = tmp_path / "resumed"

@@ -11,7 +11,7 @@ import pytest
 from helpers import (assert_export_matches_engine, assert_loss_falls, assert_run_dir_complete, read_metrics,
                      run_zerorun)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 BASE = ["+model=tiny-llama", "parallel=tp", "parallel.tp_size=2", "zero=stage1", "launcher.nproc_per_node=2",
         "data.seq_len=64", "trainer.micro_batch_size=4", "trainer.lr=2e-3", "trainer.save_every=6",
