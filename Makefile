@@ -59,7 +59,7 @@ test-fast: $(VENV)/.installed-test
 
 # zerorun as a user installs it: `pip install .` (no extras) into a venv of its own (made once per dependency list;
 # FRESH=1 makes it anew), then real 2-rank jobs from a directory holding only a config.json (GPT-2 and Llama types;
-# `make test` runs the GPT-2 one). Cold: ~2.5 min of install and ~1 min of op build on 2 cores; warm ~1 min a job.
+# `make test-all` runs the GPT-2 one). Cold: ~2.5 min of install and ~1 min of op build on 2 cores; warm ~1 min a job.
 test-user-install: system-deps $(VENV)/.installed-test
 	ZERORUN_USER_VENV_FRESH=$(if $(FRESH),1,0) ZERORUN_USER_INSTALL_ALL=1 $(PY) -m pytest -v -rs -s tests/e2e/test_user_install.py
 

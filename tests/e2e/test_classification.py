@@ -14,6 +14,7 @@ def summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow  # (two runs; test_bert_classification trains the pretrained MiniLM in `make test`)
 def test_pretrained_minilm_beats_random_init(tmp_path, cache_dir):
     """The real pretrained MiniLM vs the same architecture from random init: same data, steps, LR."""
     common = [*QUICK, "+model=minilm", "zero=stage2", "trainer.max_steps=30", "trainer.lr=5e-5",

@@ -35,6 +35,21 @@ def within_bound(run_dir):
 
 
 def test_a_gemma3_with_lora_and_a_modernbert_classifier_from_config_json_alone(tmp_path, cache_dir):
+    train_gemma3_lora(tmp_path, cache_dir)
+    train_modernbert(tmp_path, cache_dir)
+
+
+@pytest.mark.slow  # (the run above, then one more that loads its export)
+def test_a_modernbert_export_loads_back_as_a_pretrained_model(tmp_path, cache_dir):
+    export = train_modernbert(tmp_path, cache_dir)
+    again = run_zerorun(["+model=hf", f"model.name_or_path={export}", "model.pretrained=true", "trainer.max_steps=1",
+                         *COMMON], tmp_path / "bert-again", cache_dir)
+    assert again.returncode == 0, again.stdout[-3000:]
+    first = losses(tmp_path / "bert-again")[0]
+    assert abs(first - losses(tmp_path / "bert-run")[-1]) < 0.5, (first, losses(tmp_path / "bert-run"))
+
+
+def train_gemma3_lora(tmp_path, cache_dir):
     gemma = config_only(tmp_path / "gemma", "gemma3_text", hidden_size=64, intermediate_size=128,
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         vocab_size=1024, max_position_embeddings=256, sliding_window=16)
@@ -45,6 +60,9 @@ def test_a_gemma3_with_lora_and_a_modernbert_classifier_from_config_json_alone(t
     assert sum(seen[-3:]) < sum(seen[:3]), seen
     within_bound(tmp_path / "gemma-run")
 
+
+def train_modernbert(tmp_path, cache_dir):
+    """A ModernBERT classifier from its config.json alone, full fine-tune: its export dir."""
     bert = config_only(tmp_path / "modernbert", "modernbert", hidden_size=64, intermediate_size=128,
                        num_hidden_layers=3, num_attention_heads=4, vocab_size=1024, max_position_embeddings=256,
                        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
@@ -53,9 +71,4 @@ def test_a_gemma3_with_lora_and_a_modernbert_classifier_from_config_json_alone(t
                       tmp_path / "bert-run", cache_dir)
     assert run.returncode == 0, run.stdout[-3000:]
     within_bound(tmp_path / "bert-run")
-    export = tmp_path / "bert-run" / "export"
-    again = run_zerorun(["+model=hf", f"model.name_or_path={export}", "model.pretrained=true", "trainer.max_steps=1",
-                         *COMMON], tmp_path / "bert-again", cache_dir)
-    assert again.returncode == 0, again.stdout[-3000:]
-    first = losses(tmp_path / "bert-again")[0]
-    assert abs(first - losses(tmp_path / "bert-run")[-1]) < 0.5, (first, losses(tmp_path / "bert-run"))
+    return tmp_path / "bert-run" / "export"

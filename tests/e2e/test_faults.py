@@ -55,6 +55,7 @@ def test_oom_at_step_k_recovers_with_the_same_global_batch_and_data_order(tmp_pa
     assert len({m["data_fingerprint"] for m in got}) == 8  # and the fingerprint tells batches apart
 
 
+@pytest.mark.slow  # (the injected OOM above takes the same recovery path in `make test`)
 def test_a_real_allocation_failure_is_recovered(tmp_path, cache_dir):
     run = tmp_path / "memlimit"
     # Rank 1's address space is capped 250 MiB above its size once the model is built: the CPU allocator

@@ -27,7 +27,8 @@ def test_gpt2_trains_on_two_cpu_ranks(tmp_path, cache_dir):
     # Random init (no hub here), a few steps of short sequences: GPT-2 small's 124M parameters on 2 CPU ranks.
     run_dir = tmp_path / "gpt2"
     proc = run_zerorun([*VERBATIM, "trainer.max_steps=4", "data.seq_len=32", "trainer.micro_batch_size=2",
-                        "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.progress=false"],
+                        "trainer.warmup_steps=0", "trainer.lr=1e-3", "trainer.progress=false",
+                        "data.val_fraction=0.01"],  # the end-of-run evaluation: 78 sequences of 124M-model forwards
                        run_dir, cache_dir, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     metrics, summary = assert_run_dir_complete(run_dir, 4)

@@ -74,7 +74,8 @@ def same_as_one_host(got, reference):
         assert m["loss"] == pytest.approx(want["loss"], rel=1e-4), m["step"]
 
 
-@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow), "deepspeed"])
+@pytest.mark.slow  # (test_platform_jobs.py restarts a failed two-node job and resumes it in `make test`)
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_run_dir_per_node_a_node_killed_and_the_job_resumed(hosts, tmp_path, one_host_reference, launcher):
     """No shared filesystem: each node's run dir on its own "disk". A rank of node 1 dies after step 5; both
     nodes stop; the same command with trainer.resume=true continues from each node's own step-4 checkpoint."""
