@@ -13,7 +13,7 @@ from zerorun import memory as M
 from zerorun.config import (Family, GateMode, HardwareConfig, ModelConfig, World, default_task, global_batch,
                             grad_accum_steps, make_plan, plan_world)
 from zerorun.hardware import GIB, Hardware, needs_detection, resolve_hardware
-from zerorun.memory.gate import _candidates
+from zerorun.memory.ladder import candidates as _candidates
 
 BERT_TINY = ModelConfig(name="bert-tiny", family=Family.bert, num_layers=2, hidden_size=128, num_heads=2,
                         intermediate_size=512, vocab_size=30522, max_positions=512)

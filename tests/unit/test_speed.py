@@ -9,7 +9,8 @@ from helpers import CPU2, GPU8, composed, planned
 from zerorun.config import World, make_plan, plan_world
 from zerorun.hardware import resolve_hardware
 from zerorun.memory import estimate
-from zerorun.memory.gate import SPEED_TIE, _apply, _candidates, autofit
+from zerorun.memory.gate import SPEED_TIE, autofit
+from zerorun.memory.ladder import apply as _apply, candidates as _candidates
 from zerorun.speed import CPU_RANK, CUDA_GPU, predict_step_time
 
 GPT2 = ("+model=gpt2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=4")

@@ -15,8 +15,8 @@ Each module is one section of docs/memory.md:
 from .activations import DTYPE_BYTES, Activations, activations, attention_kernel
 from .estimate import Estimate, estimate, gib
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration, correction_key
-from .gate import Change, GateDecision, autofit, gate, resolve_mmap_threshold, runtime_oom_repair, table_configs, \
-    tp_table_configs
+from .gate import GateDecision, autofit, gate, resolve_mmap_threshold, table_configs, tp_table_configs
+from .ladder import Change, runtime_oom_repair
 from .params import ParamBreakdown, count_params, model_key, param_breakdown
 from .stages import PipelineStage, partition_balanced, partition_uniform, pipeline_layer_params, pipeline_stages
 from .states import STATE_NAMES, checkpoint_bytes, export_bytes
