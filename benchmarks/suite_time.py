@@ -1,7 +1,7 @@
 """The test suite's wall time by tier (unit / integration / e2e) and its slowest tests: a figure, not a test.
 
     python benchmarks/suite_time.py                 # runs the whole suite once (as `make test` does), then reports
-    python benchmarks/suite_time.py --from r.xml    # reports JUnit XML files pytest wrote (--junitxml=r.xml; repeat)
+    python benchmarks/suite_time.py --from r.xml    # reports a JUnit XML file pytest wrote (--junitxml=r.xml)
     python benchmarks/suite_time.py -- -m e2e       # extra pytest arguments after --
 
 Each test's time is pytest's own (setup + call + teardown, from the JUnit report); the wall time is this
@@ -63,23 +63,21 @@ def summarize(rows, wall: float | None, slowest: int = 15) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--from", dest="reports", type=Path, action="append",
-                    help="a JUnit XML report to read instead of running pytest (repeat it: `make test` writes two)")
+    ap.add_argument("--from", dest="report", type=Path, help="a JUnit XML report to read instead of running pytest")
     ap.add_argument("--slowest", type=int, default=15, help="how many of the slowest tests to list (0: none)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
     wall = None
-    reports = args.reports
-    if not reports:
+    report = args.report
+    if report is None:
         report = Path(tempfile.mkdtemp()) / "junit.xml"
-        reports = [report]
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--timeout=1800", f"--junitxml={report}",
                                *args.pytest_args, "tests"], cwd=ROOT)
         wall = time.perf_counter() - t0
         if not report.is_file():
             return proc.returncode or 1
-    print("\n".join(summarize([row for r in reports for row in read(r)], wall, args.slowest)))
+    print("\n".join(summarize(read(report), wall, args.slowest)))
     return 0
 
 

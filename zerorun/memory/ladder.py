@@ -14,7 +14,7 @@ from ..allocators import concrete as allocator_of
 from ..config import (AdapterName, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, World, bucket_sizes,
                       data_parallel_size, layouts, params_offloaded, small_bucket_sizes)
 from ..config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
-from ..config.schema import Allocator
+from ..config.choices import Allocator
 
 
 @dataclass(frozen=True)
@@ -206,15 +206,13 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
     # Never a change of optimizer at runtime: the relaunch resumes the checkpoint, whose states are AdamW's.
     knobs = [k for k in candidates(cfg, plan.world, pinned) if not k.opt8]
     micro = cfg.trainer.micro_batch_size
+    current = Knobs(micro, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
+                    OffloadDevice(cfg.offload.device), cfg.offload.params)
     if micro > 1:
         smaller = sorted({k.micro for k in knobs if k.micro <= micro // 2}, reverse=True)
         if smaller:
-            off = cfg.offload
-            return apply(cfg, plan.world, Knobs(smaller[0], cfg.trainer.activation_checkpointing, False,
-                                                  cfg.zero.stage, OffloadDevice(off.device), off.params), pinned)
-    off = cfg.offload
-    here = ladder_rank(Knobs(1, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
-                              OffloadDevice(off.device), off.params))
+            return apply(cfg, plan.world, dataclasses.replace(current, micro=smaller[0]), pinned)
+    here = ladder_rank(dataclasses.replace(current, micro=1))
     for k in knobs:  # the next rung down the ladder at micro-batch 1 that changes something
         if k.micro == 1 and ladder_rank(k) > here:
             new, changes = apply(cfg, plan.world, k, pinned)
