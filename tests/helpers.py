@@ -87,6 +87,13 @@ def run_zerorun(args, run_dir: Path, cache_dir: Path, *, timeout=1500, env_extra
                           stderr=subprocess.STDOUT, text=True, timeout=timeout, start_new_session=True)
 
 
+def run_killed_and_restarted(args, run_dir: Path, cache_dir: Path, *, rank: int, step: int):
+    """``run_zerorun`` with rank ``rank`` killed after step ``step`` (ZERORUN_FAULT_KILL) and one restart allowed at
+    once: the ranks come back from the last checkpoint within the same job."""
+    return run_zerorun([*args, "trainer.max_restarts=1", "trainer.restart_backoff_s=0"], run_dir, cache_dir,
+                       env_extra={"ZERORUN_FAULT_KILL": f"{rank}:{step}"})
+
+
 SESSION_CACHE: list = []
 """The session's tokenized-data cache (conftest's cache_dir fixture puts it here when it is made)."""
 

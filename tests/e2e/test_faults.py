@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, ZERO2_RUN, base_env, quiet, read_metrics, run_zerorun
+from helpers import BIN, ZERO2_RUN, base_env, quiet, read_metrics, run_killed_and_restarted, run_zerorun
 from zerorun import checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -148,8 +148,7 @@ def test_a_stop_signal_checkpoints_exits_75_and_resumes_bit_identically(tmp_path
 
 def test_a_killed_rank_is_restarted_from_the_last_checkpoint(tmp_path, cache_dir, baseline):
     run = tmp_path / "restart"
-    proc = run_zerorun([*RUN, "trainer.max_restarts=1", "trainer.restart_backoff_s=0"], run, cache_dir,
-                       env_extra={"ZERORUN_FAULT_KILL": "1:5"})
+    proc = run_killed_and_restarted(RUN, run, cache_dir, rank=1, step=5)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "restarting in 0 s (restart 1 of 1)" in proc.stdout and "completed after 1 restart" in proc.stdout
     assert "resuming from" in proc.stdout and summary(run)["resumed_from_step"] == 4

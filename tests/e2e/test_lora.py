@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import run_zerorun
+from helpers import run_killed_and_restarted, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
@@ -63,9 +63,8 @@ def test_lora_on_a_llama_read_from_its_config_json(tmp_path, cache_dir):
     assert sum(f.stat().st_size for f in tag.iterdir()) < 0.5 * sum(v.numel() * 4 for v in given.values())
     # Rank 1 killed after step 11: the ranks restart from the step-10 checkpoint (the adapter, its optimizer state,
     # the frozen base read again from the checkpoint dir) and steps 11-20 are the uninterrupted run's, bit for bit.
-    resumed = run_zerorun([*base, "trainer.max_steps=20", "trainer.max_restarts=1", "trainer.restart_backoff_s=0",
-                           "trainer.export=false"], tmp_path / "resumed", cache_dir,
-                          env_extra={"ZERORUN_FAULT_KILL": "1:11"})
+    resumed = run_killed_and_restarted([*base, "trainer.max_steps=20", "trainer.export=false"], tmp_path / "resumed",
+                                       cache_dir, rank=1, step=11)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stdout[-3000:]
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["resumed_from_step"] == 10
     again = losses(tmp_path / "resumed")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import read_metrics, run_zerorun
+from helpers import read_metrics, run_killed_and_restarted, run_zerorun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     __import__("importlib").util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")]
@@ -65,9 +65,8 @@ def test_a_killed_rank_resumes_bit_identically(tmp_path, cache_dir, eight_bit_ru
     want = read_metrics(eight_bit_run(stage))
     run = tmp_path / "resumed"
     # Rank 1 is killed after step 5; zerorun restarts the ranks from the step-4 checkpoint.
-    proc = run_zerorun([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit", "trainer.export=false",
-                        "trainer.max_restarts=1", "trainer.restart_backoff_s=0"], run, cache_dir,
-                       env_extra={"ZERORUN_FAULT_KILL": "1:5"})
+    proc = run_killed_and_restarted([*RUN, f"zero=stage{stage}", "optimizer=adamw8bit", "trainer.export=false"], run,
+                                    cache_dir, rank=1, step=5)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert summary(run)["resumed_from_step"] == 4
     got = read_metrics(run)

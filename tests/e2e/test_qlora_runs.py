@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import run_zerorun
+from helpers import run_killed_and_restarted, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
@@ -37,9 +37,8 @@ def test_qlora_trains_resumes_bit_identically_and_exports_its_adapter(tmp_path, 
 
     # Rank 1 killed after step 5: zerorun restarts the ranks from the step-4 checkpoint (the adapter and its
     # optimizer state on the 4-bit base), and steps 5-8 are the uninterrupted run's, bit for bit.
-    resumed = run_zerorun([*base, "trainer.max_steps=8", "trainer.max_restarts=1", "trainer.restart_backoff_s=0",
-                           "trainer.export=false"], tmp_path / "resumed", cache_dir,
-                          env_extra={"ZERORUN_FAULT_KILL": "1:5"})
+    resumed = run_killed_and_restarted([*base, "trainer.max_steps=8", "trainer.export=false"], tmp_path / "resumed",
+                                       cache_dir, rank=1, step=5)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stdout[-3000:]
     assert json.loads((tmp_path / "resumed" / "summary.json").read_text())["resumed_from_step"] == 4
     again = losses(tmp_path / "resumed")
