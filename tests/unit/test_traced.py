@@ -118,6 +118,17 @@ def test_phi3_gets_lora_targets_although_peft_has_no_default():
     assert lora_target_problems(cfg.model, cfg.adapter) == []
 
 
+def test_peft_defaults_read_from_its_source_are_the_ones_it_imports():
+    """The planner reads peft's LoRA defaults from its source (no ``import peft`` in the CLI); they must be the
+    table peft itself uses."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as imported
+
+    from zerorun.arch import peft_lora_defaults
+
+    assert peft_lora_defaults() == {k: tuple(v) for k, v in imported.items()}
+    assert peft_lora_defaults()["llama"] == ("q_proj", "v_proj")
+
+
 @pytest.mark.parametrize("name, total", [("qwen3-8b", 8_190_735_360), ("gemma-2-9b", 9_241_705_984),
                                          ("gemma-3-1b", 999_885_952), ("phi-3-mini", 3_821_079_552),
                                          ("mixtral-8x7b", 46_702_792_704), ("qwen3-30b-a3b", 30_532_122_624)])

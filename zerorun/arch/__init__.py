@@ -8,7 +8,9 @@ It imports nothing of zerorun: config/ and memory/ both import it, and neither i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .classic import encoder_tensors, gpt2_tensors
@@ -17,7 +19,7 @@ from .decoder import DECODER_TYPES, Decoder, decoder_of
 
 __all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
            "decoder_of", "default_task", "hf_config_args", "hf_fields", "layer_linears", "lora_layer_tensors",
-           "lora_target_problems", "lora_targets",
+           "lora_target_problems", "lora_targets", "peft_lora_defaults",
            "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
 
 
@@ -242,9 +244,29 @@ def lora_targets(m, adapter) -> Tuple[str, ...]:
         return tuple(adapter.target_modules)
     if not traits(m).traced:
         return LORA_DEFAULT_TARGETS[model_code(m)]
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+    return tuple(peft_lora_defaults().get(m.model_type) or LORA_TARGETS_PEFT_LACKS.get(m.model_type, ()))
 
-    return tuple(PEFT.get(m.model_type) or LORA_TARGETS_PEFT_LACKS.get(m.model_type, ()))
+
+@functools.lru_cache(maxsize=None)
+def peft_lora_defaults() -> Dict[str, Tuple[str, ...]]:
+    """peft's default LoRA targets by model_type, read from its source: ``import peft`` costs a planning process
+    ~10 s (it imports transformers' generation stack, scikit-learn and bitsandbytes, whose import compiles), for a
+    literal dict. Imported only when that literal changes shape."""
+    import ast
+    import importlib.util
+
+    name = "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING"
+    try:
+        spec = importlib.util.find_spec("peft")
+        source = Path(list(spec.submodule_search_locations)[0], "utils", "constants.py").read_text()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+                return {k: tuple(v) for k, v in ast.literal_eval(node.value).items()}
+    except (OSError, TypeError, ValueError, SyntaxError, AttributeError):
+        pass
+    from peft.utils import constants
+
+    return {k: tuple(v) for k, v in getattr(constants, name).items()}
 
 
 def lora_target_problems(m, adapter) -> List[Tuple[str, str, str, object]]:
