@@ -32,32 +32,38 @@ system-deps:
 	  else echo "note: not root or no apt-get: install $(SYSTEM_PKGS) yourself (NVMe offload is refused without libaio; CPU ranks run glibc's malloc, slower, without tcmalloc)"; fi; \
 	fi
 
-# The demo builds only the DeepSpeed op its job loads (CPU ranks' shared-memory comm, ~40 s once per venv);
-# a run that needs another (offload=cpu: cpu_adam, offload=nvme: async_io) builds it before its ranks start.
+# The demo builds only the DeepSpeed ops its job loads: none (CPU ranks skip DeepSpeed's shared-memory all-reduce
+# op, which training never calls); a run that needs one (offload=cpu: cpu_adam, offload=nvme: async_io) builds it
+# before its ranks start.
 demo: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild --for demo
 	$(VENV)/bin/zerorun
 
-# All of DeepSpeed's CPU ops (shm comm, cpu_adam, async_io: ~6 min on 2 cores) compiled once, before the tests.
+# All of DeepSpeed's CPU ops zerorun loads (cpu_adam, async_io: ~7 min on 2 cores) compiled once, before the tests.
 ops: system-deps $(VENV)/.installed-test
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
 # CI's command: every tier, each feature proved by at least one real job; the rest of the e2e matrices (the other
 # ZeRO stage x launcher points, each model's pipeline parity, ...) are marked slow and run in `make test-all`.
 # (Building the ops beside the unit and integration tiers was tried: 41:35 against 41:51 sequential, no gain on 2
-# cores, both saturated.)
+# cores, both saturated.) Tests run in TEST_WORKERS pytest-xdist workers, a whole module at a time (its fixtures
+# run once), in collection order: the long e2e modules start first, the many short unit ones fill the end. A 2-rank
+# CPU job leaves ~27% of 2 cores idle (its launcher, imports and checks are one process) and a second job fills
+# it: measured on 7 e2e tests, 357 s alone, 256 s in two workers.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 test: system-deps $(VENV)/.installed-test ops
-	$(PY) -m pytest -v -rs -m "not slow" --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
+	$(PY) -m pytest -v -rs -m "not slow" $(XDIST) --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
 	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 
 # Everything, the slow matrices included (about an hour on 2 cores).
 test-all: system-deps $(VENV)/.installed-test ops
-	$(PY) -m pytest -v -rs --timeout=1800 --durations=25 --junitxml=$(VENV)/test-report.xml tests
+	$(PY) -m pytest -v -rs $(XDIST) --timeout=1800 --durations=25 --junitxml=$(VENV)/test-report.xml tests
 	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 
 # The pure unit tier only (no subprocess, no engine; ~2.5 min on 2 cores). `make test` runs every tier.
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m unit tests
+	$(PY) -m pytest -q -m unit $(XDIST) tests
 
 # zerorun as a user installs it: `pip install .` (no extras) into a venv of its own (made once per dependency list;
 # FRESH=1 makes it anew), then real 2-rank jobs from a directory holding only a config.json (GPT-2 and Llama types;

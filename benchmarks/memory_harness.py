@@ -305,12 +305,12 @@ def free_port() -> int:
 
 
 def init_single_rank(backend: str = "gloo") -> None:
-    """torch.distributed with world size 1 on a free localhost port (DeepSpeed's init_distributed)."""
-    import deepspeed
+    """torch.distributed with world size 1 on a free localhost port, as a zerorun rank starts it."""
+    from zerorun.train.trainer import init_distributed
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    init_distributed(dist_backend=backend, verbose=False)
 
 
 def engine_model_states(engine, device_type: Optional[str] = None) -> Dict[str, int]:

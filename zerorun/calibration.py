@@ -35,6 +35,9 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
+RANK_RUNTIME = 2
+"""Bumped when zerorun's own rank code changes what a rank holds beyond its tensors, which package versions do not
+show in an editable install: measurements made before are not reused (2: CPU ranks skip DeepSpeed's shm comm op)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)
@@ -50,7 +53,8 @@ def environment() -> str:
             return "-"
     installed = sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions())
     venv = hashlib.sha256("\n".join([sys.prefix, *installed]).encode()).hexdigest()[:12]
-    return ",".join(f"{n}={version(n)}" for n in ("torch", "deepspeed", "transformers", "zerorun")) + f",env={venv}"
+    return (",".join(f"{n}={version(n)}" for n in ("torch", "deepspeed", "transformers", "zerorun"))
+            + f",rank={RANK_RUNTIME},env={venv}")
 
 
 def boot_id() -> str:
@@ -227,8 +231,6 @@ def probe(cfg: RunConfig, hw: Hardware, prepared, work: Path, log=print) -> Dict
     with open(work / "probe.log", "w") as out:
         rc = subprocess.run(argv, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True).returncode
-    if hw.accelerator == "cpu":
-        launcher.release_cpu_shm("127.0.0.1", lp.master_port)
     summary = rd.read_summary()
     if rc != 0 or summary is None:
         kept = cache_file(cfg).with_name("calibration-failed.log")

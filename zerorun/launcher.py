@@ -60,7 +60,7 @@ it; a PYTORCH_CUDA_ALLOC_CONF the user set wins."""
 
 
 def extensions_dir() -> str:
-    """Where DeepSpeed's JIT ops (cpu_adam, async_io, the shm comm op) are built and found: one directory per
+    """Where DeepSpeed's JIT ops (cpu_adam, async_io) are built and found: one directory per
     Python environment. torch's default, ~/.cache/torch_extensions, is keyed by op name only, so two venvs on
     one machine (other include paths) rebuild each other's ops, minutes each time. `make ops` (zerorun.prebuild)
     builds into it once; ranks, calibration probes and the memory harness all load from it. A
@@ -233,7 +233,8 @@ def reap(run_dir: str, grace_s: float) -> int:
 def cpu_shm_name(master_addr: str, master_port: int | str, rank: int | str = "*", uid: Optional[int] = None) -> str:
     """The shared-memory segment DeepSpeed's CPU all-reduce makes per rank (ops/csrc/cpu/comm/shm.cpp
     shm_initialize: ``deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}``, ~66 MB). DeepSpeed never
-    unlinks it, so each CPU run would leave ~66 MB of RAM per rank in /dev/shm until reboot."""
+    unlinks it, so each CPU run would leave ~66 MB of RAM per rank in /dev/shm until reboot. zerorun's ranks do not
+    load the op (train.trainer.init_distributed); the supervisor still sweeps the name after a run."""
     uid = os.getuid() if uid is None else uid
     return f"deepspeed_allreduce_buffer_{uid}_{master_addr}_{master_port}_{rank}"
 

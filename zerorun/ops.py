@@ -35,21 +35,18 @@ class Op:
 
 
 OPS: Dict[str, Op] = {op.name: op for op in (
-    Op("deepspeed_shm_comm", "ShareMemCommBuilder", "comm", 38),
     Op("cpu_adam", "CPUAdamBuilder", "adam", 56),
     Op("async_io", "AsyncIOBuilder", "aio", 258),
 )}
 
 
-def needed(accelerator: str, optimizer: OptimizerImpl, offload: OffloadDevice) -> Tuple[Tuple[str, str], ...]:
-    """The JIT ops a rank of this kind loads, each with why: CPU ranks' collectives go through the shared-memory
-    op (DeepSpeed's TorchBackend builds it at init), DeepSpeedCPUAdam steps offloaded optimizer states, NVMe
-    offload swaps through async I/O. torch's AdamW (CPU ranks without offload), client optimizers and CUDA's
-    NCCL load none."""
+def needed(optimizer: OptimizerImpl, offload: OffloadDevice) -> Tuple[Tuple[str, str], ...]:
+    """The JIT ops a rank loads, each with why: DeepSpeedCPUAdam steps offloaded optimizer states,
+    NVMe offload swaps through async I/O. torch's AdamW (CPU ranks without offload), client optimizers and CUDA's
+    NCCL load none; nor does a CPU rank's process group (train.trainer.init_distributed skips DeepSpeed's
+    shared-memory all-reduce op, which training never calls)."""
     offload = OffloadDevice(offload)
     out = []
-    if accelerator == "cpu":
-        out.append(("deepspeed_shm_comm", "CPU ranks"))
     if OptimizerImpl(optimizer) == OptimizerImpl.cpu_adam:
         out.append(("cpu_adam", f"offload={offload.value}"))
     if offload == OffloadDevice.nvme:
@@ -61,7 +58,7 @@ def needed_for(cfg: RunConfig, accelerator: str) -> Tuple[Tuple[str, str], ...]:
     """``needed`` for a config on ranks of ``accelerator`` (the optimizer as make_plan picks it)."""
     offload = OffloadDevice(cfg.offload.device)
     offload_optimizer = cfg.zero.stage >= 1 and offload != OffloadDevice.none
-    return needed(accelerator, optimizer_impl(accelerator, offload_optimizer, cfg.optimizer.name), offload)
+    return needed(optimizer_impl(accelerator, offload_optimizer, cfg.optimizer.name), offload)
 
 
 def extensions_dir_in_use(env: Mapping[str, str] = os.environ) -> str:

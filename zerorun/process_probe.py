@@ -112,7 +112,6 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     with open(work / "probe.log", "w") as out:
         rc = subprocess.run([sys.executable, "-m", "zerorun.train", str(work)], env=env, stdout=out,
                             stderr=subprocess.STDOUT, timeout=600, start_new_session=True).returncode
-    launcher.release_cpu_shm("127.0.0.1", port)
     summary = rd.read_summary()
     if rc != 0 or summary is None:
         raise RuntimeError(f"the micro rank exited {rc}: {(work / 'probe.log').read_text()[-1500:]}")

@@ -141,7 +141,8 @@ def _run_ranks(launch: Launch, run_dir: RunDir, say: Callable[[str], None], got:
     killed = launcher.reap(str(run_dir.path.resolve()), launch.cfg.launcher.stop_timeout_s if got else 10.0)
     if killed:
         say(f"killed {killed} rank process(es) the launcher left behind")
-    if launch.plan.world.accelerator == "cpu":  # the ranks unlink theirs; this catches ranks that died
+    if launch.plan.world.accelerator == "cpu":  # ranks skip the op that makes these (train.trainer.init_distributed);
+        # a DeepSpeed that loaded it elsewhere would leave ~66 MB per rank in /dev/shm until reboot
         launcher.release_cpu_shm(launch.master_addr, launch.master_port)
     steps = [r["step"] for r in run_dir.read_metrics()]
     completed = run_dir.read_summary() is not None

@@ -9,28 +9,27 @@ from zerorun.config import OffloadDevice, OptimizerImpl
 from zerorun.launcher import extensions_dir
 
 
-@pytest.mark.parametrize("accelerator, optimizer, offload, expected", [
-    ("cpu", OptimizerImpl.torch_adamw, OffloadDevice.none, ["deepspeed_shm_comm"]),  # the demo
-    ("cpu", OptimizerImpl.cpu_adam, OffloadDevice.cpu, ["deepspeed_shm_comm", "cpu_adam"]),
-    ("cpu", OptimizerImpl.cpu_adam, OffloadDevice.nvme, ["deepspeed_shm_comm", "cpu_adam", "async_io"]),
-    ("cuda", OptimizerImpl.fused_adam, OffloadDevice.none, []),
-    ("cuda", OptimizerImpl.cpu_adam, OffloadDevice.cpu, ["cpu_adam"]),
-    ("cuda", OptimizerImpl.torch_sgd, OffloadDevice.cpu, []),  # a client optimizer steps itself on the host
+@pytest.mark.parametrize("optimizer, offload, expected", [
+    (OptimizerImpl.torch_adamw, OffloadDevice.none, []),  # the demo (CPU ranks skip DeepSpeed's shm comm op)
+    (OptimizerImpl.cpu_adam, OffloadDevice.cpu, ["cpu_adam"]),
+    (OptimizerImpl.cpu_adam, OffloadDevice.nvme, ["cpu_adam", "async_io"]),
+    (OptimizerImpl.fused_adam, OffloadDevice.none, []),
+    (OptimizerImpl.torch_sgd, OffloadDevice.cpu, []),  # a client optimizer steps itself on the host
 ])
-def test_needed(accelerator, optimizer, offload, expected):
-    assert [name for name, _ in ops.needed(accelerator, optimizer, offload)] == expected
+def test_needed(optimizer, offload, expected):
+    assert [name for name, _ in ops.needed(optimizer, offload)] == expected
 
 
 def test_needed_says_why():
-    assert dict(ops.needed("cpu", OptimizerImpl.cpu_adam, OffloadDevice.nvme)) == {
-        "deepspeed_shm_comm": "CPU ranks", "cpu_adam": "offload=nvme", "async_io": "offload=nvme"}
+    assert dict(ops.needed(OptimizerImpl.cpu_adam, OffloadDevice.nvme)) == {
+        "cpu_adam": "offload=nvme", "async_io": "offload=nvme"}
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ((), ["deepspeed_shm_comm"]),  # the default job: torch's AdamW, no offload
-    (("zero=stage2", "offload=cpu"), ["deepspeed_shm_comm", "cpu_adam"]),
-    (("zero=stage3", "offload=nvme"), ["deepspeed_shm_comm", "cpu_adam", "async_io"]),
-    (("zero=stage2", "offload=cpu", "optimizer=sgd"), ["deepspeed_shm_comm"]),
+    ((), []),  # the default job: torch's AdamW, no offload
+    (("zero=stage2", "offload=cpu"), ["cpu_adam"]),
+    (("zero=stage3", "offload=nvme"), ["cpu_adam", "async_io"]),
+    (("zero=stage2", "offload=cpu", "optimizer=sgd"), []),
 ])
 def test_needed_for_config(overrides, expected):
     assert [name for name, _ in ops.needed_for(composed(*overrides), "cpu")] == expected
@@ -47,15 +46,15 @@ def test_built_is_a_stat(tmp_path):
 
 
 def test_an_op_built_here_is_found():
-    """The venv's own build (make ops/make demo built the shm op into extensions_dir()) counts as built,
-    and checking imports nothing heavy."""
+    """The venv's own build (make ops built cpu_adam into extensions_dir()) counts as built, and checking
+    imports nothing heavy."""
     import sys
 
-    if not (ops.built("deepspeed_shm_comm", extensions_dir())):
-        pytest.skip(f"deepspeed_shm_comm not built in {extensions_dir()} (make demo builds it)")
+    if not (ops.built("cpu_adam", extensions_dir())):
+        pytest.skip(f"cpu_adam not built in {extensions_dir()} (make ops builds it)")
     had_deepspeed = "deepspeed" in sys.modules
     t0 = time.perf_counter()
-    assert ops.built("deepspeed_shm_comm", extensions_dir())
+    assert ops.built("cpu_adam", extensions_dir())
     assert time.perf_counter() - t0 < 0.05
     assert ("deepspeed" in sys.modules) == had_deepspeed
 
@@ -65,7 +64,7 @@ def test_ensure_builds_nothing_when_built(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"{name}.so").write_bytes(b"")
     lines = []
-    ops.ensure(ops.needed("cpu", OptimizerImpl.cpu_adam, OffloadDevice.nvme), "cpu", lines.append,
+    ops.ensure(ops.needed(OptimizerImpl.cpu_adam, OffloadDevice.nvme), "cpu", lines.append,
                ext_dir=str(tmp_path))  # a build would start a process: refused in unit tests
     assert lines == []
 

@@ -21,19 +21,19 @@ def main(argv=None) -> int:
         print("usage: python -m zerorun.train.baseline FAMILY", file=sys.stderr)
         return 2
     # What a rank imports before "ready" (train/trainer.py Trainer.__init__), in the same order.
-    import deepspeed
+    import deepspeed  # noqa: F401  (first, as in a rank)
     import torch.distributed as dist
 
     from ..models import import_model_code
     from ..telemetry import rss_status
-    from . import trainer  # noqa: F401  (the rank's own modules: strategy, checkpoint, data)
+    from . import trainer  # the rank's own modules: strategy, checkpoint, data
 
     with socket.socket() as s:  # a one-rank group on loopback, as a rank's group is up at "ready"
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed()
+    trainer.init_distributed()
     import_model_code(args[0])
     status = rss_status()
     dist.destroy_process_group()

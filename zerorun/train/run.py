@@ -120,7 +120,6 @@ def _run(run_dir: RunDir, state: Dict[str, Any]) -> int:
             print(f"zerorun: stopped at step {p['step']} ({p['signal']}); checkpoint {p['checkpoint']}",
                   file=sys.stderr, flush=True)
         trainer.dist.barrier()
-        release_cpu_shm(trainer)
         return faults.EXIT_PREEMPTED
     if tracker:
         live["train"] = tracker.peak
@@ -137,7 +136,6 @@ def _run(run_dir: RunDir, state: Dict[str, Any]) -> int:
         for line in oom_lines(summary["memory_vs_estimate"]):
             print(f"zerorun: {line}", file=sys.stderr)
     trainer.dist.barrier()
-    release_cpu_shm(trainer)
     return 0
 
 
@@ -173,13 +171,3 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "wall_time_s": wall_time_s,
         **result["final_eval"],
     }
-
-
-def release_cpu_shm(trainer: Trainer) -> None:
-    """After the last collective, unlink this rank's DeepSpeed CPU all-reduce segment (see
-    launcher.cpu_shm_name); the mapping stays valid for anyone still holding it."""
-    if trainer.accel.device_name() != "cpu":
-        return
-    from ..launcher import release_cpu_shm as release
-
-    release(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), trainer.rank)

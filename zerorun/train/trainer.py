@@ -24,6 +24,20 @@ from . import interrupts, optimizers
 from .strategy import strategy_for
 
 
+def init_distributed(**kwargs) -> None:
+    """``deepspeed.init_distributed`` without DeepSpeed's shared-memory all-reduce op on CPU ranks. DeepSpeed's
+    TorchBackend loads that op at init (JIT-compiling it where it is not built: ~40 s), and it maps ~66 MB of
+    /dev/shm per rank that DeepSpeed never unlinks; yet training never calls it. Only ``inference_all_reduce``
+    does (DeepSpeed inference, ``LmHeadLinearAllreduce``), and that falls back to torch.distributed's all-reduce
+    without it; every training collective, AutoTP's included, is torch.distributed's (deepspeed/comm/torch.py,
+    module_inject/layers.py RowParallel). ``__compatible_ops__`` is the switch build_shm_op reads."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(**kwargs)
+
 
 class Trainer:
     def __init__(self, run_dir: RunDir):
@@ -45,8 +59,8 @@ class Trainer:
         # not torch's 30 minutes (the launcher also stops the group when one rank exits).
         from datetime import timedelta
 
-        with library_stdout(self.cfg.verbose):  # "DeepSpeed ... shm_comm_op built successfully", once per rank
-            deepspeed.init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
+        with library_stdout(self.cfg.verbose):
+            init_distributed(timeout=timedelta(seconds=self.cfg.trainer.collective_timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         # Who writes the run dir's metrics, summary and checkpoint markers: rank 0, and with a run dir per
