@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from zerorun import memory as M
-from zerorun.config import Dtype, Family, ModelConfig, OffloadDevice, ParallelMode, RunConfig, World, default_task, \
+from zerorun.config import Dtype, ModelConfig, OffloadDevice, ParallelMode, RunConfig, World, default_task, \
     Layout, layouts, make_plan
 from zerorun.arch import traits
 from zerorun.hardware import GIB, Hardware
@@ -389,7 +389,6 @@ def pipeline_stage_rows(run_dir: Path) -> List[Dict[str, Any]]:
     est = json.loads((run_dir / "estimate.json").read_text())
     from zerorun.memory import OVERHEADS
 
-    runtime = sum(v for k, v in est["components"].items() if k in OVERHEADS)
     rows = []
     for r in summary["peak_memory"]:
         st = est["pipeline_stages"][r["pipeline_stage"]]
