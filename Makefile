@@ -39,7 +39,7 @@ demo: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild --for demo
 	$(VENV)/bin/zerorun
 
-# All of DeepSpeed's CPU ops zerorun loads (cpu_adam, async_io: ~7 min on 2 cores) compiled once, before the tests.
+# All of DeepSpeed's CPU ops zerorun loads (cpu_adam, async_io: ~5 min on 2 cores) compiled once, before the tests.
 ops: system-deps $(VENV)/.installed-test
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 

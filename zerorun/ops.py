@@ -31,12 +31,13 @@ class Op:
     package: str
     """deepspeed/ops/<package>/: where DeepSpeed keeps the op when it was built at install time (DS_BUILD_*=1)."""
     seconds: int
-    """Its build on 2 cores (issue 36: a clean clone's `make ops`), for the progress line."""
+    """Its build on 2 cores without debug info (`python -m zerorun.prebuild` at commit 074d499+1), for the
+    progress line."""
 
 
 OPS: Dict[str, Op] = {op.name: op for op in (
-    Op("cpu_adam", "CPUAdamBuilder", "adam", 56),
-    Op("async_io", "AsyncIOBuilder", "aio", 258),
+    Op("cpu_adam", "CPUAdamBuilder", "adam", 62),
+    Op("async_io", "AsyncIOBuilder", "aio", 224),
 )}
 
 
@@ -69,11 +70,50 @@ def extensions_dir_in_use(env: Mapping[str, str] = os.environ) -> str:
     return env.get("TORCH_EXTENSIONS_DIR") or extensions_dir()
 
 
+DEBUG_FLAG = "-g"
+"""What zerorun leaves out of DeepSpeed's host compiler flags: debug info for torch's headers is ~35% of each
+translation unit's compile (async_io's twelve at -O0: 61 s → 39 s each on this machine's cores), and no one debugs
+DeepSpeed's ops from a training run."""
+_BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder")  # PinMemory: async_io's load builds it first
+
+
+def without_debug_info() -> None:
+    """Drop ``-g`` from the builders of the ops zerorun loads (class-level, once per process). torch rebuilds a
+    JIT op whose flags changed, so every process that loads ops from zerorun's extensions folder calls this
+    before the first load: the prebuild, and each rank as it starts (train.trainer.init_distributed)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    for name in _BUILDERS:
+        cls = accel.get_op_builder(name)
+        if cls is None or getattr(cls.cxx_args, "zerorun", False):
+            continue
+        original = cls.cxx_args
+
+        def cxx_args(self, _original=original):
+            return [a for a in _original(self) if a != DEBUG_FLAG]
+
+        cxx_args.zerorun = True
+        cls.cxx_args = cxx_args
+
+
+def _built_with_other_flags(ext_dir: str, name: str) -> bool:
+    """A JIT build whose recorded host flags (torch writes them to the op's build.ninja) still carry ``-g``: an
+    earlier zerorun's, or DeepSpeed's own default. The first rank to load it would recompile it, silently."""
+    try:
+        with open(os.path.join(ext_dir, name, "build.ninja")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    return any(line.startswith("cflags =") and DEBUG_FLAG in line.split() for line in lines)
+
+
 def built(name: str, ext_dir: str) -> bool:
-    """Whether ``name`` loads without a compile: torch's JIT library in ``ext_dir``, or DeepSpeed's own build of
-    it (an install with DS_BUILD_*=1, as docker/Dockerfile does). Stat calls only: nothing is imported."""
+    """Whether ``name`` loads without a compile: torch's JIT library in ``ext_dir`` made with zerorun's flags, or
+    DeepSpeed's own build of it (an install with DS_BUILD_*=1, as docker/Dockerfile does). Stat calls and one small
+    read: nothing is imported."""
     if os.path.isfile(os.path.join(ext_dir, name, name + ".so")):
-        return True
+        return not _built_with_other_flags(ext_dir, name)
     spec = importlib.util.find_spec("deepspeed")  # a top-level package: found, not imported
     roots = list(spec.submodule_search_locations or []) if spec else []
     return any(glob.glob(os.path.join(root, "ops", OPS[name].package, f"{name}_op*.so")) for root in roots)

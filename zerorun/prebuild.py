@@ -43,6 +43,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir_in_use()  # where the ranks will look (launcher.rank_env)
     from deepspeed.accelerator import get_accelerator
 
+    from .ops import without_debug_info
+
+    without_debug_info()  # the flags the ranks load with (else a rank would rebuild what this built)
     accel = get_accelerator()
     for name in names:
         builder = accel.create_op_builder(OPS[name].builder)

@@ -71,3 +71,17 @@ def test_ensure_builds_nothing_when_built(tmp_path):
 
 def _installed_in_deepspeed(name):
     return ops.built(name, "/nonexistent")
+
+
+@pytest.mark.parametrize("flags, is_built", [
+    ("-fPIC -std=c++20 -O3 -g -Wno-reorder -march=native", False),  # DeepSpeed's default: a rank would recompile
+    ("-fPIC -std=c++20 -O3 -Wno-reorder -march=native -ggdb3", True),  # only the exact flag is zerorun's business
+    ("-fPIC -std=c++20 -O3 -Wno-reorder -march=native", True),
+])
+def test_an_op_built_with_other_flags_is_not_built(tmp_path, flags, is_built):
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    (tmp_path / "cpu_adam" / "build.ninja").write_text(f"ninja_required_version = 1.3\ncxx = c++\n\ncflags = "
+                                                       f"-DTORCH_EXTENSION_NAME=cpu_adam {flags}\npost_cflags =\n")
+    assert ops.built("cpu_adam", str(tmp_path)) == (is_built or _installed_in_deepspeed("cpu_adam"))
+

@@ -30,12 +30,16 @@ def init_distributed(**kwargs) -> None:
     /dev/shm per rank that DeepSpeed never unlinks; yet training never calls it. Only ``inference_all_reduce``
     does (DeepSpeed inference, ``LmHeadLinearAllreduce``), and that falls back to torch.distributed's all-reduce
     without it; every training collective, AutoTP's included, is torch.distributed's (deepspeed/comm/torch.py,
-    module_inject/layers.py RowParallel). ``__compatible_ops__`` is the switch build_shm_op reads."""
+    module_inject/layers.py RowParallel). ``__compatible_ops__`` is the switch build_shm_op reads. Also sets the
+    compile flags of the ops a rank may load (zerorun.ops.without_debug_info)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from ..ops import without_debug_info
+
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    without_debug_info()  # before any op loads (cpu_adam, async_io): the flags the prebuild compiled them with
     deepspeed.init_distributed(**kwargs)
 
 
