@@ -31,7 +31,7 @@ class Op:
     package: str
     """deepspeed/ops/<package>/: where DeepSpeed keeps the op when it was built at install time (DS_BUILD_*=1)."""
     seconds: int
-    """Its build on 2 cores without debug info (`python -m zerorun.prebuild` at commit 074d499+1), for the
+    """Its build on 2 cores without debug info (`python -m zerorun.prebuild` at commit 2d38601), for the
     progress line."""
 
 

@@ -84,4 +84,3 @@ def test_an_op_built_with_other_flags_is_not_built(tmp_path, flags, is_built):
     (tmp_path / "cpu_adam" / "build.ninja").write_text(f"ninja_required_version = 1.3\ncxx = c++\n\ncflags = "
                                                        f"-DTORCH_EXTENSION_NAME=cpu_adam {flags}\npost_cflags =\n")
     assert ops.built("cpu_adam", str(tmp_path)) == (is_built or _installed_in_deepspeed("cpu_adam"))
-
