@@ -66,6 +66,12 @@ def base_env(cache_dir: Path) -> dict:
     return env
 
 
+TORCHRUN = "launcher=torchrun"
+"""For runs whose subject is a training feature rather than the launcher: torchrun starts a job's ranks for ~5 CPU-s
+less than the deepspeed CLI, whose runner and launch.py each import DeepSpeed (a 4-step tiny job: 18.9 against 24.2
+CPU-s). The launcher's own tests (test_train, test_faults, test_multinode, test_platform_jobs, test_gpt2_verbatim,
+test_user_install and the zero2_reference run) keep the default."""
+
 ZERO2_RUN = ["launcher.nproc_per_node=2", "trainer.max_steps=8", "trainer.micro_batch_size=4", "data.seq_len=64",
              "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false",
              "trainer.export=false", "zero=stage2"]

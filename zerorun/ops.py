@@ -11,11 +11,13 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from .config.errors import UserError
 from .config.rules import OptimizerImpl, optimizer_impl
@@ -31,13 +33,13 @@ class Op:
     package: str
     """deepspeed/ops/<package>/: where DeepSpeed keeps the op when it was built at install time (DS_BUILD_*=1)."""
     seconds: int
-    """Its build on 2 cores without debug info (`python -m zerorun.prebuild` at commit 2d38601), for the
-    progress line."""
+    """Its build alone on 2 cores (`python -m zerorun.prebuild NAME` into an empty folder, async_io with its
+    pin_memory and precompiled header, 2026-11-27), for the progress line."""
 
 
 OPS: Dict[str, Op] = {op.name: op for op in (
     Op("cpu_adam", "CPUAdamBuilder", "adam", 62),
-    Op("async_io", "AsyncIOBuilder", "aio", 224),
+    Op("async_io", "AsyncIOBuilder", "aio", 196),
 )}
 
 
@@ -74,13 +76,31 @@ DEBUG_FLAG = "-g"
 """What zerorun leaves out of DeepSpeed's host compiler flags: debug info for torch's headers is ~35% of each
 translation unit's compile (async_io's twelve at -O0: 61 s → 39 s each on this machine's cores), and no one debugs
 DeepSpeed's ops from a training run."""
+PCH_HEADER = "torch/extension.h"
+PCH_OPS = ("async_io",)
+"""Ops whose translation units share one precompiled torch/extension.h: parsing it is ~40 of each of async_io's
+twelve units' 42 s at -O0 (~16 s with the header precompiled, itself ~70 s once). cpu_adam's two units build in
+parallel in about the header's own time, so it gains nothing."""
 _BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder")  # PinMemory: async_io's load builds it first
 
 
-def without_debug_info() -> None:
-    """Drop ``-g`` from the builders of the ops zerorun loads (class-level, once per process). torch rebuilds a
-    JIT op whose flags changed, so every process that loads ops from zerorun's extensions folder calls this
-    before the first load: the prebuild, and each rank as it starts (train.trainer.init_distributed)."""
+def pch_dir(ext_dir: str, name: str) -> str:
+    """Where the precompiled header for ``name`` lives while the prebuild compiles it (removed after: ~0.8 GB)."""
+    return os.path.join(ext_dir, f"{name}.pch")
+
+
+def _pch_flags(name: str) -> list:
+    """``-include torch/extension.h`` first in every unit, found through a folder that holds the header's
+    precompiled form beside a link to it. Without that folder (a rank compiling on its own) the same flags use
+    torch's header: the same code, only slower, and the same flags, so nothing rebuilds."""
+    return ["-I" + pch_dir(extensions_dir_in_use(), name), "-include", PCH_HEADER] if name in PCH_OPS else []
+
+
+def set_build_flags() -> None:
+    """The host compiler flags of the ops zerorun loads (class-level, once per process): no ``-g``, and
+    async_io's units on a precompiled header. torch rebuilds a JIT op whose flags changed, so every process that
+    loads ops from zerorun's extensions folder calls this before the first load: the prebuild, and each rank as
+    it starts (train.trainer.init_distributed)."""
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
@@ -91,21 +111,88 @@ def without_debug_info() -> None:
         original = cls.cxx_args
 
         def cxx_args(self, _original=original):
-            return [a for a in _original(self) if a != DEBUG_FLAG]
+            return [a for a in _original(self) if a != DEBUG_FLAG] + _pch_flags(self.name)
 
         cxx_args.zerorun = True
         cls.cxx_args = cxx_args
 
 
 def _built_with_other_flags(ext_dir: str, name: str) -> bool:
-    """A JIT build whose recorded host flags (torch writes them to the op's build.ninja) still carry ``-g``: an
-    earlier zerorun's, or DeepSpeed's own default. The first rank to load it would recompile it, silently."""
+    """A JIT build whose recorded host flags (torch writes them to the op's build.ninja) are not
+    ``set_build_flags``'s: an earlier zerorun's, or DeepSpeed's own default. The first rank to load it would
+    recompile it, silently."""
     try:
         with open(os.path.join(ext_dir, name, "build.ninja")) as f:
             lines = f.read().splitlines()
     except OSError:
         return False
-    return any(line.startswith("cflags =") and DEBUG_FLAG in line.split() for line in lines)
+    cflags = next((line.split()[2:] for line in lines if line.startswith("cflags =")), [])
+    pch = _pch_flags(name)
+    return DEBUG_FLAG in cflags or (bool(pch) and " ".join(pch[1:]) not in " ".join(cflags))
+
+
+def _ninja_vars(build_dir: str) -> Dict[str, list]:
+    """The compiler and flag variables torch wrote to ``build_dir``/build.ninja (torch joins flags with spaces and
+    shell-quotes the compiler)."""
+    with open(os.path.join(build_dir, "build.ninja")) as f:
+        pairs = [line.rstrip("\n").partition(" = ") for line in f]
+    return {k: shlex.split(v) for k, sep, v in pairs if sep and k in ("cxx", "cflags", "post_cflags")}
+
+
+def precompile_header(build_dir: str, name: str, log: Callable[[str], None]) -> Optional[str]:
+    """Compile torch/extension.h once with ``name``'s own flags (read from the build.ninja torch has just
+    written, so they are exactly its units'), into ``pch_dir``, when ninja has units to compile. Returns the
+    folder to remove once the op is built, or None. A header that does not precompile is logged and the units
+    compile without it: GCC reads a precompiled header only when it matches, else the header itself."""
+    if name not in PCH_OPS or shutil.which("ninja") is None:
+        return None
+    todo = subprocess.run(["ninja", "-C", build_dir, "-n"], capture_output=True, text=True)
+    if todo.returncode != 0 or "no work to do" in todo.stdout:
+        return None
+    vars_ = _ninja_vars(build_dir)
+    where = pch_dir(os.path.dirname(build_dir.rstrip(os.sep)), name)
+    drop = {"-I" + where, "-include", PCH_HEADER}
+    flags = [w for w in vars_.get("cflags", []) + vars_.get("post_cflags", []) if w not in drop]
+    include_dirs = [f[len("-isystem"):] or flags[i + 1] for i, f in enumerate(flags) if f.startswith("-isystem")]
+    header = next((os.path.join(d, PCH_HEADER) for d in include_dirs if os.path.isfile(os.path.join(d, PCH_HEADER))),
+                  None)
+    if header is None or not vars_.get("cxx"):
+        return None
+    link = os.path.join(where, PCH_HEADER)
+    shutil.rmtree(where, ignore_errors=True)
+    os.makedirs(os.path.dirname(link))
+    os.symlink(header, link)
+    t0 = time.perf_counter()
+    made = subprocess.run([*vars_["cxx"], *flags, "-x", "c++-header", link, "-o", link + ".gch"],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        log(f"{name}: {PCH_HEADER} did not precompile, its units parse it each ({made.stderr.strip()[-300:]})")
+        shutil.rmtree(where, ignore_errors=True)
+        return None
+    log(f"{name}: {PCH_HEADER} precompiled in {time.perf_counter() - t0:.0f} s")
+    return where
+
+
+def build_with_precompiled_header(log: Callable[[str], None]) -> None:
+    """Have torch's JIT build (this process's) precompile the header of a ``PCH_OPS`` op right before ninja
+    compiles it, and remove it after. torch.utils.cpp_extension._run_ninja_build is the one step between
+    writing build.ninja and compiling; where a torch lacks it, ops build as before."""
+    import torch.utils.cpp_extension as ext
+
+    run = getattr(ext, "_run_ninja_build", None)
+    if run is None or getattr(run, "zerorun", False):
+        return
+
+    def run_ninja_build(build_directory, *args, **kwargs):
+        where = precompile_header(build_directory, os.path.basename(build_directory.rstrip(os.sep)), log)
+        try:
+            return run(build_directory, *args, **kwargs)
+        finally:
+            if where:
+                shutil.rmtree(where, ignore_errors=True)
+
+    run_ninja_build.zerorun = True
+    ext._run_ninja_build = run_ninja_build
 
 
 def built(name: str, ext_dir: str) -> bool:

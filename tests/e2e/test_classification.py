@@ -3,11 +3,12 @@ import json
 
 import pytest
 
-from helpers import assert_export_matches_engine, assert_run_dir_complete, load_export, read_metrics, run_zerorun
+from helpers import (TORCHRUN, assert_export_matches_engine, assert_run_dir_complete, load_export, read_metrics,
+                     run_zerorun)
 
 pytestmark = pytest.mark.e2e
 
-QUICK = ["launcher.nproc_per_node=2", "trainer.progress=false", "trainer.warmup_steps=1"]
+QUICK = ["launcher.nproc_per_node=2", "trainer.progress=false", "trainer.warmup_steps=1", TORCHRUN]
 
 
 def summary(run_dir):

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from helpers import run_zerorun
+from helpers import TORCHRUN, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
 COMMON = ["launcher.nproc_per_node=2", "data.seq_len=64", "trainer.micro_batch_size=4", "trainer.lr=5e-3",
           "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0",
-          "data.synthetic_docs=400"]
+          "data.synthetic_docs=400", TORCHRUN]
 
 
 def config_only(path, model_type, **fields):

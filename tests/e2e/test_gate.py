@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, base_env, read_metrics, run_zerorun
+from helpers import BIN, TORCHRUN, base_env, read_metrics, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
@@ -29,7 +29,7 @@ def test_strict_gate_refuses_gpt2_large_on_16gib(tmp_path, cache_dir):
 
 def test_autofit_launches_a_config_that_fits_and_keeps_the_global_batch(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = run_zerorun(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2", "trainer.max_steps=3",
+    proc = run_zerorun(["gate=autofit", *TWO_SMALL_GPUS, "launcher.nproc_per_node=2", TORCHRUN, "trainer.max_steps=3",
                         "trainer.progress=false", "trainer.export=false"], run_dir, cache_dir)
     assert proc.returncode == 0, proc.stdout[-3000:]
     # What the library's autofit decides for the same overrides (the fastest predicted config that fits) is

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import run_killed_and_restarted, run_zerorun
+from helpers import TORCHRUN, run_killed_and_restarted, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +37,7 @@ def llama_checkpoint(tmp_path):
             "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]", "zero=stage2",
             "data.seq_len=64", "trainer.micro_batch_size=4", "trainer.lr=5e-3", "trainer.save_every=10",
             "trainer.lr_schedule=constant", "trainer.warmup_steps=0",  # so 10 steps of 20 are 10 steps of 10
-            "launcher.nproc_per_node=2"]
+            "launcher.nproc_per_node=2", TORCHRUN]
     return ckpt, base
 
 

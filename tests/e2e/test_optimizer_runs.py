@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from helpers import read_metrics, run_killed_and_restarted, run_zerorun
+from helpers import TORCHRUN, read_metrics, run_killed_and_restarted, run_zerorun
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     __import__("importlib").util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")]
 
 RUN = ["launcher.nproc_per_node=2", "trainer.max_steps=8", "trainer.micro_batch_size=4", "data.seq_len=64",
-       "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false"]
+       "trainer.warmup_steps=1", "trainer.lr=2e-3", "trainer.save_every=2", "trainer.progress=false", TORCHRUN]
 
 
 # ZeRO-3 (partitioned parameters, the most moving parts) in `make test`; the other stages in `make test-all`.

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_export_matches_engine, assert_loss_falls, assert_run_dir_complete, read_metrics, run_zerorun
+from helpers import (TORCHRUN, assert_export_matches_engine, assert_loss_falls, assert_run_dir_complete, read_metrics,
+                     run_zerorun)
 
 pytestmark = pytest.mark.e2e
 
 RUN = ["+model=tiny-qwen2", "parallel=pipeline", "parallel.stages=2", "launcher.nproc_per_node=2",
        "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "data.seq_len=64", "trainer.max_steps=12",
-       "trainer.save_every=6", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.progress=false"]
+       "trainer.save_every=6", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.progress=false", TORCHRUN]
 
 
 def test_a_tied_qwen2_pipeline_trains_resumes_bit_identically_and_exports(tmp_path, cache_dir):

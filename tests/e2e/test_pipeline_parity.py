@@ -6,14 +6,14 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, assert_export_matches_engine, assert_run_dir_complete, read_metrics, run_zerorun
+from helpers import ROOT, TORCHRUN, assert_export_matches_engine, assert_run_dir_complete, read_metrics, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
 # Dropout off: the two layouts draw different random masks, everything else is the same math.
 COMMON = ["launcher.nproc_per_node=2", "trainer.max_steps=20", "trainer.micro_batch_size=2",
           "trainer.global_batch_size=8", "trainer.warmup_steps=1", "trainer.progress=false", "model.dropout=0",
-          "data.seq_len=32"]
+          "data.seq_len=32", TORCHRUN]
 MODELS = {
     "gpt2": ["trainer.lr=2e-3"],
     "bert": ["+model=tiny-bert", "trainer.lr=2e-4"],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import run_killed_and_restarted, run_zerorun
+from helpers import TORCHRUN, run_killed_and_restarted, run_zerorun
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ def test_qlora_trains_resumes_bit_identically_and_exports_its_adapter(tmp_path, 
     base = ["+model=tiny-llama", "adapter=qlora", "adapter.r=8", "zero=stage2", "precision=bf16",
             "adapter.target_modules=[q_proj,k_proj,v_proj,o_proj]", "data.seq_len=64", "trainer.micro_batch_size=2",
             "trainer.lr=1e-2", "trainer.save_every=4", "trainer.lr_schedule=constant", "trainer.warmup_steps=0",
-            "trainer.eval_every=0", "data.synthetic_docs=400", "launcher.nproc_per_node=2"]
+            "trainer.eval_every=0", "data.synthetic_docs=400", "launcher.nproc_per_node=2", TORCHRUN]
     full = run_zerorun([*base, "trainer.max_steps=8"], tmp_path / "full", cache_dir)
     assert full.returncode == 0, full.stdout[-3000:]
     seen = losses(tmp_path / "full")

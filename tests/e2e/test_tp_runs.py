@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import (assert_export_matches_engine, assert_loss_falls, assert_run_dir_complete, read_metrics,
+from helpers import (TORCHRUN, assert_export_matches_engine, assert_loss_falls, assert_run_dir_complete, read_metrics,
                      run_zerorun)
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 BASE = ["+model=tiny-llama", "parallel=tp", "parallel.tp_size=2", "zero=stage1", "launcher.nproc_per_node=2",
         "data.seq_len=64", "trainer.micro_batch_size=4", "trainer.lr=2e-3", "trainer.save_every=6",
         "trainer.lr_schedule=constant", "trainer.warmup_steps=0",  # so 6 steps of 12 are the first 6 of 12
-        "trainer.progress=false"]
+        "trainer.progress=false", TORCHRUN]
 
 
 def losses(run_dir):

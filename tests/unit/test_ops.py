@@ -73,14 +73,18 @@ def _installed_in_deepspeed(name):
     return ops.built(name, "/nonexistent")
 
 
-@pytest.mark.parametrize("flags, is_built", [
-    ("-fPIC -std=c++20 -O3 -g -Wno-reorder -march=native", False),  # DeepSpeed's default: a rank would recompile
-    ("-fPIC -std=c++20 -O3 -Wno-reorder -march=native -ggdb3", True),  # only the exact flag is zerorun's business
-    ("-fPIC -std=c++20 -O3 -Wno-reorder -march=native", True),
+@pytest.mark.parametrize("name, flags, is_built", [
+    ("cpu_adam", "-fPIC -std=c++20 -O3 -g -Wno-reorder -march=native", False),  # DeepSpeed's default: recompiled
+    ("cpu_adam", "-fPIC -std=c++20 -O3 -Wno-reorder -march=native -ggdb3", True),  # only the exact flag matters
+    ("cpu_adam", "-fPIC -std=c++20 -O3 -Wno-reorder -march=native", True),
+    ("async_io", "-fPIC -std=c++20 -O0 -Wno-reorder", False),  # an earlier zerorun's, without the header
+    ("async_io", "-fPIC -std=c++20 -O0 -Wno-reorder -I/x/async_io.pch -include torch/extension.h", True),
+    ("async_io", "-fPIC -std=c++20 -O0 -g -I/x/async_io.pch -include torch/extension.h", False),
 ])
-def test_an_op_built_with_other_flags_is_not_built(tmp_path, flags, is_built):
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    (tmp_path / "cpu_adam" / "build.ninja").write_text(f"ninja_required_version = 1.3\ncxx = c++\n\ncflags = "
-                                                       f"-DTORCH_EXTENSION_NAME=cpu_adam {flags}\npost_cflags =\n")
-    assert ops.built("cpu_adam", str(tmp_path)) == (is_built or _installed_in_deepspeed("cpu_adam"))
+def test_an_op_built_with_other_flags_is_not_built(tmp_path, name, flags, is_built):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")
+    (tmp_path / name / "build.ninja").write_text(f"ninja_required_version = 1.3\ncxx = c++\n\ncflags = "
+                                                 f"-DTORCH_EXTENSION_NAME={name} {flags}\npost_cflags =\n")
+    assert ops.built(name, str(tmp_path)) == (is_built or _installed_in_deepspeed(name))
+

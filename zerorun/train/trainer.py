@@ -31,15 +31,15 @@ def init_distributed(**kwargs) -> None:
     does (DeepSpeed inference, ``LmHeadLinearAllreduce``), and that falls back to torch.distributed's all-reduce
     without it; every training collective, AutoTP's included, is torch.distributed's (deepspeed/comm/torch.py,
     module_inject/layers.py RowParallel). ``__compatible_ops__`` is the switch build_shm_op reads. Also sets the
-    compile flags of the ops a rank may load (zerorun.ops.without_debug_info)."""
+    compile flags of the ops a rank may load (zerorun.ops.set_build_flags)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from ..ops import without_debug_info
+    from ..ops import set_build_flags
 
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    without_debug_info()  # before any op loads (cpu_adam, async_io): the flags the prebuild compiled them with
+    set_build_flags()  # before any op loads (cpu_adam, async_io): the flags the prebuild compiled them with
     deepspeed.init_distributed(**kwargs)
 
 
