@@ -1,6 +1,6 @@
 """``python -m zerorun.arch.ship_traces [--check] [NAME ...]``: trace every shipped model file at zerorun-estimate's
-shapes, afresh, and write the results beside traced.py (traced.SHIPPED), so a user's first estimate of a 7-9B model reads them instead
-of tracing for ~15 s.
+shapes, afresh, and write the results beside traced.py (traced.SHIPPED), so a user's first estimate of a 7-9B model
+reads them instead of tracing for ~15 s.
 
 Each model file is estimated as users ask most: on this machine's CPU ranks, and for one 24 GiB GPU (the
 table's rows then trace that precision and micro-batch). Run it after a change to what a trace key holds, to the
