@@ -12,7 +12,7 @@ def test_no_shipped_model_file_estimate_traces_and_fresh_traces_equal_the_shippe
     # One process: every model file's estimates with the shipped file (a key it lacks would be traced and written
     # to the cache: stale), then tiny-llama's and qwen3-8b's traced afresh, compared entry by entry.
     env = {**os.environ, "ZERORUN_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "zerorun.arch.ship_traces", "--check", "tiny-llama", "qwen3-8b"],
+    out = subprocess.run([sys.executable, "-m", "zerorun.ship_traces", "--check", "tiny-llama", "qwen3-8b"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "not shipped: 0 " in out.stdout and "differing from the shipped: 0 " in out.stdout, out.stdout

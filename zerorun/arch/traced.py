@@ -121,7 +121,7 @@ def _versions() -> str:
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped_traces.json")
 """Results for the shipped model files at zerorun-estimate's usual shapes, keyed as the disk cache is (so only for
 the pinned torch/transformers/peft): a first ``zerorun-estimate +model=qwen3-8b`` reads them instead of tracing
-for ~15 s. ``python -m zerorun.arch.ship_traces`` writes the file; tests/integration/test_shipped_traces.py fails
+for ~15 s. ``python -m zerorun.ship_traces`` writes the file; tests/integration/test_shipped_traces.py fails
 when it is stale (a key it lacks) or wrong (a value a fresh trace disagrees with)."""
 USE_SHIPPED = True  # ship_traces turns it off, to trace everything afresh
 

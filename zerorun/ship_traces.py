@@ -1,4 +1,4 @@
-"""``python -m zerorun.arch.ship_traces [--check] [NAME ...]``: trace every shipped model file at zerorun-estimate's
+"""``python -m zerorun.ship_traces [--check] [NAME ...]``: trace every shipped model file at zerorun-estimate's
 shapes, afresh, and write the results beside traced.py (traced.SHIPPED), so a user's first estimate of a 7-9B model
 reads them instead of tracing for ~15 s.
 
@@ -36,9 +36,9 @@ def variants(name: str) -> List[List[str]]:
 def estimate_all(names: Sequence[str], use_shipped: bool, log=print) -> Dict[str, object]:
     """The cache entries zerorun-estimate writes for ``names`` (by file stem: kind-digest) into an empty cache:
     with ``use_shipped``, only what the shipped file lacks; without, everything, traced afresh."""
-    from . import traced
-    from .. import estimate_cli
-    from ..memory import buffers, params
+    from . import estimate_cli
+    from .arch import traced
+    from .memory import buffers, params
 
     traced.USE_SHIPPED = use_shipped
     for memo in (traced._MEMO.clear, params.breakdown.cache_clear, buffers.zero3_live_peak.cache_clear):
@@ -60,7 +60,7 @@ def estimate_all(names: Sequence[str], use_shipped: bool, log=print) -> Dict[str
 def check(names: Sequence[str]) -> int:
     """1 when an estimate of a shipped model file would trace (a key the shipped file lacks: stale), or a fresh
     trace of ``names`` disagrees with what is shipped; else 0."""
-    from . import traced
+    from .arch import traced
 
     missing = estimate_all(model_files(), use_shipped=True, log=lambda line: None)
     fresh = estimate_all(names, use_shipped=False, log=lambda line: None)
@@ -72,7 +72,7 @@ def check(names: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    from . import traced
+    from .arch import traced
 
     args = list(argv)
     if args[:1] == ["--check"]:
