@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: demo test test-all test-fast test-explore test-user-install system-deps install ops gpu-validate
+.PHONY: demo test test-ready test-all test-fast test-explore test-user-install system-deps install ops gpu-validate
 
 # What a user installs (the demo needs nothing more), then the test extras on top for `make test`.
 $(VENV)/.installed: pyproject.toml
@@ -48,6 +48,10 @@ demo: system-deps $(VENV)/.installed
 ops: system-deps $(VENV)/.installed
 	DS_ACCELERATOR=cpu $(PY) -m zerorun.prebuild
 
+# The test extras and the ops at once (pip waits on the network and unpacks; the op builds fill the cores).
+test-ready: system-deps $(VENV)/.installed
+	$(MAKE) --no-print-directory -j2 $(VENV)/.installed-test ops
+
 # CI's command: every tier, each feature proved by at least one real job; the rest of the e2e matrices (the other
 # ZeRO stage x launcher points, each model's pipeline parity, ...) are marked slow and run in `make test-all`.
 # (Building the ops beside the unit and integration tiers was tried: 41:35 against 41:51 sequential, no gain on 2
@@ -57,14 +61,13 @@ ops: system-deps $(VENV)/.installed
 # it: measured on 7 e2e tests, 357 s alone, 256 s in two workers.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
-test: system-deps $(VENV)/.installed
-	$(MAKE) --no-print-directory -j2 $(VENV)/.installed-test ops
+
+test: test-ready
 	$(PY) -m pytest -v -rs -m "not slow" $(XDIST) --timeout=1800 --durations=15 --junitxml=$(VENV)/test-report.xml tests
 	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 
 # Everything, the slow matrices included (about an hour on 2 cores).
-test-all: system-deps $(VENV)/.installed
-	$(MAKE) --no-print-directory -j2 $(VENV)/.installed-test ops
+test-all: test-ready
 	$(PY) -m pytest -v -rs $(XDIST) --timeout=1800 --durations=25 --junitxml=$(VENV)/test-report.xml tests
 	$(PY) benchmarks/suite_time.py --from $(VENV)/test-report.xml --slowest 0
 

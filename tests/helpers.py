@@ -10,11 +10,12 @@ import torch
 
 from zerorun.config import ModelConfig, World, compose, make_plan
 from zerorun.hardware import GIB, Hardware
+from zerorun.ship_traces import model_files
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 BIN = Path(sys.executable).parent
-MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if p.stem != "hf")  # hf: a template read from config.json
+MODEL_FILES = model_files()  # hf aside: a template read from config.json
 
 CPU2 = World(nproc_per_node=2, nnodes=1, accelerator="cpu", fp16_ok=False)
 GPU8 = World(nproc_per_node=8, nnodes=1, accelerator="cuda")

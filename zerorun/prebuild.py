@@ -58,12 +58,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if strict:
                 return 1
             continue
-        buildable.append(name)
+        buildable.append((name, builder))
     if len(buildable) > 1:
-        return _in_parallel(buildable)
-    for name in buildable:
+        return _in_parallel([name for name, _ in buildable])
+    for name, builder in buildable:
         t0 = time.time()
-        accel.create_op_builder(OPS[name].builder).load(verbose=False)
+        builder.load(verbose=False)
         print(f"zerorun prebuild: {name} ready ({time.time() - t0:.0f} s)", file=sys.stderr)
     if not names:
         print("zerorun prebuild: nothing to build", file=sys.stderr)

@@ -43,18 +43,25 @@ def estimate_all(names: Sequence[str], use_shipped: bool, log=print) -> Dict[str
     traced.USE_SHIPPED = use_shipped
     for memo in (traced._MEMO.clear, params.breakdown.cache_clear, buffers.zero3_live_peak.cache_clear):
         memo()  # what this process already holds in front of the cache, shipped entries included
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["ZERORUN_CACHE"] = cache
-        for name in names:
-            t0 = time.perf_counter()
-            for argv in variants(name):
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-                    rc = estimate_cli.main(list(argv))
-                if rc != 0:
-                    raise SystemExit(f"zerorun-estimate {' '.join(argv)} exited {rc}:\n{out.getvalue()}")
-            log(f"{name}: {time.perf_counter() - t0:.1f} s")
-        return {p.stem: json.loads(p.read_text()) for p in sorted(Path(cache, "traces").glob("*.json"))}
+    before = os.environ.get("ZERORUN_CACHE")
+    try:
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["ZERORUN_CACHE"] = cache
+            for name in names:
+                t0 = time.perf_counter()
+                for argv in variants(name):
+                    out = io.StringIO()
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                        rc = estimate_cli.main(list(argv))
+                    if rc != 0:
+                        raise SystemExit(f"zerorun-estimate {' '.join(argv)} exited {rc}:\n{out.getvalue()}")
+                log(f"{name}: {time.perf_counter() - t0:.1f} s")
+            return {p.stem: json.loads(p.read_text()) for p in sorted(Path(cache, "traces").glob("*.json"))}
+    finally:  # not a deleted folder for what this process does next
+        if before is None:
+            os.environ.pop("ZERORUN_CACHE", None)
+        else:
+            os.environ["ZERORUN_CACHE"] = before
 
 
 def check(names: Sequence[str]) -> int:
