@@ -69,7 +69,11 @@ def model_file(name: str) -> ModelConfig:
 
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.load(str(importlib.resources.files("zerorun.conf") / "model" / f"{name}.yaml"))
+    try:
+        conf = importlib.resources.files("zerorun.conf")
+    except ModuleNotFoundError:  # zerorun imported from the checkout (benchmarks put it first on sys.path), not
+        conf = Path(__file__).resolve().parents[1] / "conf"  # from an editable install that maps conf/
+    raw = OmegaConf.load(str(conf / "model" / f"{name}.yaml"))
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
 
 

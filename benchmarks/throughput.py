@@ -3,6 +3,7 @@ Trainer + DeepSpeed, on the same model, shapes, ZeRO stage and ranks.
 
     python benchmarks/throughput.py [--spec gpt2-4x256|tiny-gpt2|tiny-bert] [--zero 2] [--offload none|cpu]
                                     [--pairs 5] [--steps 20] [--warmup 3] [--systems zerorun,loop,hf]
+    python benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --steps 60 --warmup 10   # CUDA ranks
     python benchmarks/throughput.py --pairs 3 --steps 33 \
         --systems zerorun,zerorun@glibc,zerorun@glibc-mmap0,zerorun@jemalloc,zerorun@mimalloc,loop,hf   # allocators
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,18 +31,32 @@ from typing import Dict, List, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
+
+def tool(name: str) -> str:
+    """A console script of this Python's environment, else the one on PATH (packages installed with --target)."""
+    return str(BIN / name) if (BIN / name).exists() else (shutil.which(name) or str(BIN / name))
+
 SPECS = {
     "gpt2-4x256": dict(task="causal_lm", base="tiny-gpt2", num_layers=4, hidden_size=256, num_heads=4,
                        intermediate_size=1024, vocab_size=8192, max_positions=256, seq_len=256, micro_batch=8),
     "tiny-gpt2": dict(task="causal_lm", base="tiny-gpt2", num_layers=2, hidden_size=128, num_heads=4,
                       intermediate_size=512, vocab_size=4096, max_positions=256, seq_len=256, micro_batch=8),
+    # GPT-2 small (124M) at a GPU's shape: the CPU specs are launch-bound on a GPU.
+    "gpt2": dict(task="causal_lm", base="gpt2", num_layers=12, hidden_size=768, num_heads=12,
+                 intermediate_size=3072, vocab_size=50257, max_positions=1024, seq_len=512, micro_batch=16),
     "tiny-bert": dict(task="sequence_classification", base="tiny-bert", num_layers=2, hidden_size=128,
                       num_heads=2, intermediate_size=512, vocab_size=30522, max_positions=256, seq_len=128,
                       micro_batch=16),
 }
 
 
-def rank_env() -> Dict[str, str]:
+def rank_env(gpus: int = 0) -> Dict[str, str]:
+    if gpus:  # GPU ranks: the environment as the user has it, with an arch list DeepSpeed's JIT can parse
+        from zerorun.ops import deepspeed_arch_list
+
+        arch = {"TORCH_CUDA_ARCH_LIST": deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+                } if os.environ.get("TORCH_CUDA_ARCH_LIST") else {}
+        return {**os.environ, **arch, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     # Both baselines get what zerorun gives its ranks for threads (2 ranks on 2 cores); nothing else.
     return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -54,7 +70,7 @@ def zerorun_args(spec: Dict, run_dir: Path) -> List[str]:
             f"zero=stage{spec['zero']}", f"offload={spec['offload']}", f"precision={spec['dtype']}",
             f"trainer.max_steps={spec['steps']}", "trainer.grad_clip=0", "trainer.weight_decay=0",
             "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.lr=2e-4", "trainer.export=false",
-            "trainer.progress=false", "launcher.nproc_per_node=2", *spec.get("extra", []), f"hydra.run.dir={run_dir}"]
+            "trainer.progress=false", f"launcher.nproc_per_node={spec['ranks']}", *spec.get("extra", []), f"hydra.run.dir={run_dir}"]
 
 
 def step_times(cmd: List[str], env: Dict[str, str], metrics: Path = None, timeout: float = 1800,
@@ -119,7 +135,7 @@ def run(system: str, spec: Dict) -> Tuple[float, float, float]:
         if system.split("@")[0] == "zerorun":
             run_dir = Path(tmp) / "run"
             extra = VARIANTS[system.split("@")[1]] if "@" in system else []
-            seen = step_times([str(BIN / "zerorun"), *zerorun_args(spec, run_dir), *extra], dict(os.environ),
+            seen = step_times([tool("zerorun"), *zerorun_args(spec, run_dir), *extra], dict(os.environ),
                               metrics=run_dir / "metrics.jsonl")
             summary = json.loads((run_dir / "summary.json").read_text())
             rss = max(r["peak_rss_bytes"] for r in summary["peak_memory"]) / 2**20
@@ -128,12 +144,12 @@ def run(system: str, spec: Dict) -> Tuple[float, float, float]:
             script = ROOT / "benchmarks" / "baselines" / ("handwritten_loop.py" if system == "loop" else
                                                           "hf_trainer_loop.py")
             port = str(29700 + os.getpid() % 200)
-            seen = step_times([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", port, str(script),
-                               "--spec", json.dumps(spec)], rank_env(), steps=spec["steps"])
+            seen = step_times([tool("deepspeed"), "--num_gpus", str(spec["ranks"]), "--master_port", port,
+                               str(script), "--spec", json.dumps(spec)], rank_env(spec["gpus"]), steps=spec["steps"])
     w, n = spec["warmup"], spec["steps"]
     if w not in seen or n not in seen:
         raise RuntimeError(f"{system}: steps {w} and {n} not both seen ({sorted(seen)})")
-    tokens = (n - w) * spec["micro_batch"] * spec["seq_len"] * 2
+    tokens = (n - w) * spec["micro_batch"] * spec["seq_len"] * spec["ranks"]
     return tokens / (seen[n] - seen[w]), seen[1] - seen[0], rss
 
 
@@ -148,15 +164,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--systems", default="zerorun,loop,hf",
                     help="zerorun (its defaults), zerorun@" + "|".join(VARIANTS) + ", loop, hf")
+    ap.add_argument("--gpus", type=int, default=0, help="CUDA ranks (one per GPU); default 2 CPU ranks")
     ap.add_argument("--zerorun-args", default="", help="extra zerorun overrides (space-separated), to try a change")
     a = ap.parse_args()
     spec = {**SPECS[a.spec], "extra": a.zerorun_args.split(), "zero": a.zero, "offload": a.offload, "dtype": a.dtype, "steps": a.steps,
-            "warmup": a.warmup}
+            "warmup": a.warmup, "gpus": a.gpus, "ranks": a.gpus or 2}
     systems = a.systems.split(",")
     results: Dict[str, List[float]] = {s: [] for s in systems}
     startup: Dict[str, List[float]] = {s: [] for s in systems}
     peak: Dict[str, List[float]] = {s: [] for s in systems}
-    print(f"{a.spec} ZeRO-{a.zero} offload {a.offload} {a.dtype}, 2 CPU ranks, micro-batch {spec['micro_batch']} × "
+    print(f"{a.spec} ZeRO-{a.zero} offload {a.offload} {a.dtype}, {f'{a.gpus} GPU' if a.gpus else '2 CPU'} ranks, micro-batch {spec['micro_batch']} × "
           f"seq {spec['seq_len']}, steps {a.warmup + 1}-{a.steps} timed", flush=True)
     for r in range(a.pairs):
         order = systems[r % len(systems):] + systems[:r % len(systems)]

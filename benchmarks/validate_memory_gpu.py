@@ -103,6 +103,9 @@ def worker(job: Dict[str, Any], out: str) -> None:
 
     from zerorun.ds_config import render
     from zerorun.models import build_model
+    from zerorun.ops import set_build_flags
+
+    set_build_flags()  # FusedAdam/CPUAdam with the flags zerorun's prebuild and ranks use: no rebuild per process
 
     deepspeed.init_distributed(dist_backend="nccl", verbose=False)
     rank, nproc = dist.get_rank(), dist.get_world_size()
@@ -295,6 +298,8 @@ def main() -> None:
             pairs.append((r, estimate_point(job, r["ckpt"], r["seq"], world, hw)))
         print(f"  {job['model']} {job['dtype']} ZeRO-{job['zero']} offload {job['offload']}: "
               f"{time.perf_counter() - t:.0f} s", flush=True)
+        if args.json:  # after every job: a run cut short by its time limit keeps what it measured
+            Path(args.json).write_text(json.dumps([{"measured": r, "estimate": e} for r, e in pairs], indent=1))
     print()
     for line in MM.engine_table(pairs):
         print(line)
@@ -311,8 +316,6 @@ def main() -> None:
     for p in problems:
         print(f"  not measured: {p}")
     print(f"done in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps([{"measured": r, "estimate": e} for r, e in pairs], indent=1))
 
 
 if __name__ == "__main__":

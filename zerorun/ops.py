@@ -35,23 +35,29 @@ class Op:
     seconds: int
     """Its build alone on 2 cores (`python -m zerorun.prebuild NAME` into an empty folder, async_io with its
     pin_memory and precompiled header, 2026-11-27), for the progress line."""
+    accelerators: Tuple[str, ...] = ("cpu", "cuda")
+    """Where zerorun's ranks load it: FusedAdam steps GPU ranks only (CPU ranks use torch's AdamW)."""
 
 
 OPS: Dict[str, Op] = {op.name: op for op in (
     Op("cpu_adam", "CPUAdamBuilder", "adam", 62),
     Op("async_io", "AsyncIOBuilder", "aio", 196),
+    # nvcc and the host compiler: 33 s (H100 machine) and 35 s (H200 machine) on 16 cores; 2 cores untried.
+    Op("fused_adam", "FusedAdamBuilder", "adam", 90, accelerators=("cuda",)),
 )}
 
 
 def needed(optimizer: OptimizerImpl, offload: OffloadDevice) -> Tuple[Tuple[str, str], ...]:
     """The JIT ops a rank loads, each with why: DeepSpeedCPUAdam steps offloaded optimizer states,
-    NVMe offload swaps through async I/O. torch's AdamW (CPU ranks without offload), client optimizers and CUDA's
-    NCCL load none; nor does a CPU rank's process group (train.trainer.init_distributed skips DeepSpeed's
-    shared-memory all-reduce op, which training never calls)."""
+    NVMe offload swaps through async I/O, GPU ranks step DeepSpeed's FusedAdam (nvcc-built). torch's AdamW (CPU
+    ranks without offload), client optimizers and CUDA's NCCL load none; nor does a CPU rank's process group
+    (train.trainer.init_distributed skips DeepSpeed's shared-memory all-reduce op, which training never calls)."""
     offload = OffloadDevice(offload)
     out = []
     if OptimizerImpl(optimizer) == OptimizerImpl.cpu_adam:
         out.append(("cpu_adam", f"offload={offload.value}"))
+    if OptimizerImpl(optimizer) == OptimizerImpl.fused_adam:
+        out.append(("fused_adam", "the GPU ranks' Adam"))
     if offload == OffloadDevice.nvme:
         out.append(("async_io", "offload=nvme"))
     return tuple(out)
@@ -81,7 +87,8 @@ PCH_OPS = ("async_io",)
 """Ops whose translation units share one precompiled torch/extension.h: parsing it is ~40 of each of async_io's
 twelve units' 42 s at -O0 (~16 s with the header precompiled, itself ~70 s once). cpu_adam's two units build in
 parallel in about the header's own time, so it gains nothing."""
-_BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder")  # PinMemory: async_io's load builds it first
+# PinMemory: async_io's load builds it first
+_BUILDERS = ("CPUAdamBuilder", "AsyncIOBuilder", "PinMemoryBuilder", "FusedAdamBuilder")
 
 
 def pch_dir(ext_dir: str, name: str) -> str:
@@ -96,13 +103,31 @@ def _pch_flags(name: str) -> list:
     return ["-I" + pch_dir(extensions_dir_in_use(), name), "-include", PCH_HEADER] if name in PCH_OPS else []
 
 
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19's JIT builder parses it: each entry's arch-specific suffix dropped
+    ("9.0a" → "9.0", "+PTX" kept). CUDA images for Hopper and Blackwell set such suffixes, and DeepSpeed's
+    ``int("0a")`` then fails every op load, a built one's too (seen on an H100 image: "9.0a"). DeepSpeed's ops use
+    no arch-specific instructions."""
+    out = []
+    for cc in value.replace(" ", ";").split(";"):
+        cc = cc.strip()
+        if cc:
+            ptx = "+PTX" if cc.endswith("+PTX") else ""
+            cc = ".".join(part.rstrip("abcdefghijklmnopqrstuvwxyz") for part in cc[:len(cc) - len(ptx)].split("."))
+            if cc + ptx not in out:
+                out.append(cc + ptx)
+    return ";".join(out)
+
+
 def set_build_flags() -> None:
-    """The host compiler flags of the ops zerorun loads (class-level, once per process): no ``-g``, and
-    async_io's units on a precompiled header. torch rebuilds a JIT op whose flags changed, so every process that
-    loads ops from zerorun's extensions folder calls this before the first load: the prebuild, and each rank as
-    it starts (train.trainer.init_distributed)."""
+    """The host compiler flags of the ops zerorun loads (class-level, once per process): no ``-g``, async_io's
+    units on a precompiled header, and a TORCH_CUDA_ARCH_LIST DeepSpeed can parse. torch rebuilds a JIT op whose
+    flags changed, so every process that loads ops from zerorun's extensions folder calls this before the first
+    load: the prebuild, and each rank as it starts (train.trainer.init_distributed)."""
     from deepspeed.accelerator import get_accelerator
 
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     accel = get_accelerator()
     for name in _BUILDERS:
         cls = accel.get_op_builder(name)
@@ -235,6 +260,7 @@ def ensure(ops: Sequence[Tuple[str, str]], accelerator: str, log: Callable[[str]
                 f"DeepSpeed's {name} op (needed for {why}) did not build: {lines[-1].strip() if lines else f'exit {rc}'}"
                 f" (whole log: {log_path}).",
                 "install a C++ compiler and Python's headers (apt-get install build-essential python3-dev"
-                + (", libaio-dev" if name == "async_io" else "") + f"), then rerun; `python -m zerorun.prebuild "
-                f"{name}` shows the build.", key="ops", value=name)
+                + (", libaio-dev" if name == "async_io" else "")
+                + ("; and CUDA's nvcc, of torch.version.cuda's major version" if name == "fused_adam" else "")
+                + f"), then rerun; `python -m zerorun.prebuild {name}` shows the build.", key="ops", value=name)
         log(f"{name} op built in {time.perf_counter() - t0:.0f} s ({ext_dir}).")

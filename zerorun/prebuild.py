@@ -1,7 +1,7 @@
 """``python -m zerorun.prebuild [OP ...] [--for demo]``: compile DeepSpeed's JIT ops for this machine up front.
 
-No argument: every op zerorun may load (zerorun.ops.OPS: cpu_adam for optimizer offload, async_io for NVMe
-offload), side by side, as `make ops`/`make test` do; an op this machine cannot build (async_io without libaio)
+No argument: every op zerorun may load on this machine's accelerator (zerorun.ops.OPS: cpu_adam for optimizer
+offload, async_io for NVMe offload, fused_adam on GPUs), side by side, as `make ops`/`make test` do; an op this machine cannot build (async_io without libaio)
 is skipped. ``OP ...``: those only. ``--for demo``: the ones the default job (`zerorun` with no arguments) loads on
 this machine, as `make demo` does (none: CPU ranks skip DeepSpeed's shm comm op, train.trainer.init_distributed).
 Otherwise zerorun's launcher builds what a run needs before its ranks start (zerorun.ops.ensure), and GPU images
@@ -49,6 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     set_build_flags()  # the flags the ranks load with (else a rank would rebuild what this built)
     build_with_precompiled_header(lambda line: print(f"zerorun prebuild: {line}", file=sys.stderr))
     accel = get_accelerator()
+    if not args.ops:  # "all": the ops this accelerator's ranks load (FusedAdam's CPU build is never loaded)
+        names = [n for n in names if accel.device_name() in OPS[n].accelerators]
     buildable = []
     for name in names:
         builder = accel.create_op_builder(OPS[name].builder)

@@ -25,9 +25,10 @@ def ds_config(spec: Dict[str, Any]) -> Dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "gradient_accumulation_steps": 1,
-        # torch's AdamW on CPU ranks, as zerorun picks there (DeepSpeed's FusedAdam is CUDA-only)
+        # torch's AdamW on CPU ranks, as zerorun picks there (DeepSpeed's FusedAdam is CUDA-only); DeepSpeed's
+        # default (FusedAdam) on GPU ranks
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "weight_decay": 0.0,
-                                                  "torch_adam": spec["offload"] == "none"}},
+                                                  "torch_adam": spec["offload"] == "none" and not spec.get("gpus")}},
         "zero_optimization": zero,
         "bf16": {"enabled": spec["dtype"] == "bf16"},
         "steps_per_print": 10**9,

@@ -13,7 +13,7 @@ from zerorun.launcher import extensions_dir
     (OptimizerImpl.torch_adamw, OffloadDevice.none, []),  # the demo (CPU ranks skip DeepSpeed's shm comm op)
     (OptimizerImpl.cpu_adam, OffloadDevice.cpu, ["cpu_adam"]),
     (OptimizerImpl.cpu_adam, OffloadDevice.nvme, ["cpu_adam", "async_io"]),
-    (OptimizerImpl.fused_adam, OffloadDevice.none, []),
+    (OptimizerImpl.fused_adam, OffloadDevice.none, ["fused_adam"]),
     (OptimizerImpl.torch_sgd, OffloadDevice.cpu, []),  # a client optimizer steps itself on the host
 ])
 def test_needed(optimizer, offload, expected):
@@ -88,3 +88,13 @@ def test_an_op_built_with_other_flags_is_not_built(tmp_path, name, flags, is_bui
                                                  f"-DTORCH_EXTENSION_NAME={name} {flags}\npost_cflags =\n")
     assert ops.built(name, str(tmp_path)) == (is_built or _installed_in_deepspeed(name))
 
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("9.0a", "9.0"),  # an H100 image's: DeepSpeed 0.19's int("0a") failed every op load
+    ("8.0 9.0a+PTX", "8.0;9.0+PTX"),
+    ("8.0;8.6;9.0;9.0a;10.0f", "8.0;8.6;9.0;10.0"),
+    ("7.5", "7.5"),
+])
+def test_deepspeed_arch_list(value, expected):
+    assert ops.deepspeed_arch_list(value) == expected

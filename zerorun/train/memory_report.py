@@ -26,8 +26,9 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
                          states["persistent parameters"], states["fp32 master copies"], states["optimizer states"],
                          (live or {}).get("init", 0), (live or {}).get("train", 0), stage,
                          *[device.get(k, 0) for k in DEVICE_KEYS], *marks], dtype=torch.float64)
+    mine = mine.to(trainer.device)  # NCCL gathers CUDA tensors only (a CPU one: "No backend type associated ...")
     gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]
-    trainer.dist.all_gather(gathered, mine.to(gathered[0].device))
+    trainer.dist.all_gather(gathered, mine)
     out = []
     n_dev = len(DEVICE_KEYS)
     for r, g in enumerate(gathered):

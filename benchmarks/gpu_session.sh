@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, as one prepared script (device time is scarce): the packages zerorun needs that the
+# machine's image lacks (carried as wheels in .whl/), DeepSpeed's CUDA ops built the way zerorun builds them, then
+# in order of importance: a real `zerorun` run on the GPU with nvidia-smi sampled beside it, the GPU memory
+# validator (make gpu-validate's script) on a subset of its matrix, and the paired throughput benchmark on CUDA.
+# Each stage has its own time limit, so one stage's failure leaves the others' figures. Output: $OUT.
+#   bash benchmarks/gpu_session.sh          # on the GPU machine, from the repository root
+set -u
+OUT=${OUT:-/tmp/gpu-session}
+mkdir -p "$OUT"
+T0=$(date +%s)
+stage() { echo; echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
+exec > >(tee -a "$OUT/session.log") 2>&1
+
+stage "install carried wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 MAX_JOBS=16
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}"
+python3 -c "import torch, deepspeed, transformers, peft, zerorun; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, torch.cuda.is_available(), '| deepspeed', deepspeed.__version__, '| transformers', \
+transformers.__version__, '| nvcc', __import__('shutil').which('nvcc'))"
+
+stage "DeepSpeed's CUDA ops (python -m zerorun.prebuild fused_adam cpu_adam), timed"
+time timeout 150 python3 -m zerorun.prebuild fused_adam cpu_adam
+
+stage "zerorun on the GPU: gpt2 bf16 ZeRO-2, seq 512, micro 16; nvidia-smi sampled every 100 ms"
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" &
+SMI=$!
+timeout 90 zerorun +model=gpt2 precision=bf16 zero=stage2 data.seq_len=512 trainer.micro_batch_size=16 \
+  trainer.max_steps=60 trainer.export=false trainer.progress=false hydra.run.dir=/tmp/run1
+echo "zerorun exit code: $?"
+kill $SMI
+echo "nvidia-smi memory.used max: $(cut -d, -f2 "$OUT/smi.csv" | sort -n | tail -1) MiB"
+cp /tmp/run1/summary.json "$OUT/run1-summary.json" 2>/dev/null
+cp /tmp/run1/estimate.json "$OUT/run1-estimate.json" 2>/dev/null
+
+stage "GPU memory validator: gpt2, qwen2.5-0.5b × bf16 × ZeRO 0/2/3 × offload none/cpu; bert-base ZeRO 0/2"
+timeout 150 python3 benchmarks/validate_memory_gpu.py --models gpt2,qwen2.5-0.5b --dtypes bf16 --zero 0,2,3 --warmup 2 \
+  --steps 2 --json "$OUT/gpu-validation-1gpu.json"
+timeout 40 python3 benchmarks/validate_memory_gpu.py --models bert-base-uncased --dtypes bf16 --zero 0,2 \
+  --offload none --warmup 2 --steps 2 --json "$OUT/gpu-validation-bert.json"
+
+stage "throughput on the GPU: zerorun against the hand-written loop and HF Trainer (1 round)"
+timeout 170 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
+  --systems zerorun,loop,hf
+stage "done"
