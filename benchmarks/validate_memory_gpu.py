@@ -85,8 +85,8 @@ def estimate_point(job: Dict[str, Any], ckpt: bool, seq: int, world: World, hw: 
     return {"fwd_bwd": max(ph[k] for k in MM.FWD_BWD_PHASES if k in ph), "step": ph["optimizer step"],
             "total": alloc, "phase": est.peak_phase,
             "states": sum(v for k, v in est.phases["optimizer step"].items() if k in MM.STATE_KEYS),  # device only
-            "reserved": int((1 + M.DEFAULT_CALIBRATION.allocator_margin) * alloc),
-            "device": est.per_rank_peak_bytes, "fits": est.fits}
+            "reserved": alloc + est.components.get("allocator margin", 0),  # the margin the ranks' allocator gets
+            "device": est.per_rank_peak_bytes, "bound": est.bound_bytes, "fits": est.fits}
 
 
 # ---------------------------------------------------------------------------------------------- worker (one rank)
@@ -137,7 +137,8 @@ def worker(job: Dict[str, Any], out: str) -> None:
                 engine.module.gradient_checkpointing_disable()
             inputs = MM.batch(m, job["micro"], seq, device=str(dev))
             row: Dict[str, Any] = {"kind": "engine", "model": m.name, "dtype": job["dtype"], "zero": job["zero"],
-                                   "offload": job["offload"], "ckpt": ckpt, "seq": seq, "micro": job["micro"],
+                                   "offload": job["offload"], "offload_params": job.get("offload_params"), "ckpt": ckpt, "seq": seq,
+                                   "micro": job["micro"],
                                    "nproc": nproc, "init": init_peak}
             try:
                 torch.cuda.empty_cache()
@@ -249,6 +250,8 @@ def main() -> None:
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="--dry-run: the GPU to plan for")
     ap.add_argument("--json", default="", help="also write the measured and estimated rows here")
     ap.add_argument("--dry-run", action="store_true", help="print the matrix and its estimates; no GPU needed")
+    ap.add_argument("--rescore", nargs="+", default=[], metavar="JSON",
+                    help="no GPU needed: the rows measured in these --json files against today's estimator")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -259,6 +262,9 @@ def main() -> None:
     args.models, args.dtypes, args.offload = split(args.models), split(args.dtypes), split(args.offload)
     args.zero = [int(z) for z in split(args.zero)]
     args.seqs = [int(s) for s in split(args.seqs)]
+    if args.rescore:
+        report(rescore(args.rescore, args.gpu_mem_gib))
+        return
     jobs = matrix(args)
     world = world_of(args.nproc)
     if args.dry_run:
@@ -300,6 +306,26 @@ def main() -> None:
               f"{time.perf_counter() - t:.0f} s", flush=True)
         if args.json:  # after every job: a run cut short by its time limit keeps what it measured
             Path(args.json).write_text(json.dumps([{"measured": r, "estimate": e} for r, e in pairs], indent=1))
+    report(pairs)
+    for p in problems:
+        print(f"  not measured: {p}")
+    print(f"done in {time.perf_counter() - t0:.0f} s")
+
+
+def rescore(paths: List[str], gpu_mem_gib: float) -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """Measured rows of earlier runs (their --json), each against today's estimate of its point."""
+    pairs = []
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            r = row["measured"]
+            job = {"model": r["model"], "dtype": r["dtype"], "zero": r["zero"], "offload": r["offload"],
+                   "offload_params": r.get("offload_params"), "micro": r["micro"]}
+            hw = Hardware("cuda", r["nproc"], int(gpu_mem_gib * GIB), 256 * GIB, 1, 16)
+            pairs.append((r, estimate_point(job, r["ckpt"], r["seq"], world_of(r["nproc"]), hw)))
+    return pairs
+
+
+def report(pairs: List[Tuple[Dict[str, Any], Dict[str, Any]]]) -> None:
     print()
     for line in MM.engine_table(pairs):
         print(line)
@@ -313,9 +339,10 @@ def main() -> None:
         errors = [err(e[key], r[key]) for r, e in pairs]
         if errors:
             print("  " + MM.Accuracy(name, errors).line())
-    for p in problems:
-        print(f"  not measured: {p}")
-    print(f"done in {time.perf_counter() - t0:.0f} s")
+    under = [(r, e) for r, e in pairs if "bound" in e and e["bound"] < r["device"]]
+    print(f"  the bound (what the gate decides on) above the measured device memory at {len(pairs) - len(under)} of "
+          f"{len(pairs)} points" + "".join(f"; under at {r['model']} ZeRO-{r['zero']} {r['offload']} seq {r['seq']}"
+                                           for r, _ in under))
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ def accelerator_peak_bytes() -> int:
 
 def device_figures() -> Dict[str, int]:
     """On a GPU rank, what decides a CUDA OOM: the caching allocator's peak reserved memory, and the memory
-    outside it (CUDA context, NCCL buffers, cuBLAS workspaces) = device used − reserved now, from the driver
-    (``mem_get_info``). Their sum is the device peak the gate predicts. Empty on CPU ranks."""
+    outside it (CUDA context, kernel images, NCCL buffers, library handles) = device used − reserved now, from the
+    driver (``mem_get_info``). Their sum is the device peak the gate predicts. Empty on CPU ranks."""
     import torch
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):

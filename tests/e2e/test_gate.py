@@ -11,9 +11,10 @@ pytestmark = pytest.mark.e2e
 # A declared GPU cluster this CPU machine is not: the gate plans for it, the ranks still run here.
 TWO_16GIB_GPUS = ["hardware.gpus_per_node=2", "hardware.gpu_mem_gib=16"]
 # Small enough that tiny-gpt2 at micro-batch 8 × 256 tokens does not fit, but micro-batch 4 does. The gate
-# decides on the bound: 1.5 GiB of the point is the CUDA context and NCCL, priors whose widths (0.85 and
-# 1 GiB) take the bound to ~2.9 GiB: micro 8 at most 2.99 GiB, micro 4 2.91.
-TWO_SMALL_GPUS = ["hardware.gpus_per_node=2", "hardware.gpu_mem_gib=2.95", "data.seq_len=256"]
+# decides on the bound: 2.7 GiB of the point is what a GPU rank holds outside its tensors (1.68 GiB measured on
+# an H100, NCCL's 1 GiB prior), whose widths (0.5 and 1 GiB) take the bound to ~4 GiB: micro 8 at most 4.06 GiB,
+# micro 4 3.98.
+TWO_SMALL_GPUS = ["hardware.gpus_per_node=2", "hardware.gpu_mem_gib=4.03", "data.seq_len=256"]
 
 
 def test_strict_gate_refuses_gpt2_large_on_16gib(tmp_path, cache_dir):

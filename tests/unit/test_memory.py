@@ -185,18 +185,21 @@ def test_golden_gpt2_stage2_bf16():
         "logits + loss": 12 * b * s * V,
         # No reduce bucket either: ZeRO-2 allocates it at the first gradient hook and frees it at the end
         # of every backward.
+        "cuBLAS workspaces": 2 * 32 * 2**20,  # cuBLAS's and cuBLASLt's, 32 MiB each on Hopper
     }
     assert dict(e.phases["loss"]) == loss
     assert e.peak_phase == "loss"
     alloc = sum(loss.values())
-    # 248,879,616 + 12,582,960 + 62,219,904 + 124,439,808 + 1,179,664,384 + 1,235,116,032
-    assert alloc == 2_862_902_704
-    # allocator margin (5% with expandable segments, zerorun's default on CUDA ranks), CUDA context, NCCL
-    expected = alloc + int(0.05 * alloc) + GIB // 2 + GIB
+    # 248,879,616 + 12,582,960 + 62,219,904 + 124,439,808 + 1,179,664,384 + 1,235,116,032 + 67,108,864
+    assert alloc == 2_930_011_568
+    # allocator margin (7.5% with expandable segments, zerorun's default on CUDA ranks; measured on an H100),
+    # what lives outside the allocator (1,723 MiB measured on an H100), NCCL
+    context = 1723 * 2**20
+    expected = alloc + int(0.075 * alloc) + context + GIB
     assert e.per_rank_peak_bytes == expected
     fixed = est("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=512", "trainer.micro_batch_size=4",
                 "launcher.expandable_segments=false")  # fixed-size segments: the 10% fragmentation prior
-    assert fixed.per_rank_peak_bytes == alloc + int(0.10 * alloc) + GIB // 2 + GIB
+    assert fixed.per_rank_peak_bytes == alloc + int(0.10 * alloc) + context + GIB
     assert e.top(3) == [("logits + loss", 12 * b * s * V), ("activations", outside + L * layer), ("parameters", 2 * P)]
     step = e.phases["optimizer step"]
     assert step["optimizer-step transient"] == part * 2 + part * 4  # flat bf16 copy + its fp32 copy (6Ψ/N)
@@ -267,8 +270,8 @@ def test_gate_strict_refuses_with_top_consumers_and_a_fix(gpus):
     # ZeRO-1 (optimizer states over 8 ranks) with micro 1, or with checkpointing at fixed-size segments.
     fixed = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}", *d.suggestion)
     assert estimate(fixed, world, hw).fits
-    if gpus == 1:
-        assert "trainer.micro_batch_size=" in d.message and "trainer.global_batch_size=8" in d.message
+    if gpus == 1:  # the optimizer to the host, and recomputation keeps micro 8 (as autofit, below)
+        assert d.suggestion == ["trainer.activation_checkpointing=true", "zero=stage1", "offload=cpu"]
     else:  # ZeRO-1 spreads the optimizer states over 8 ranks; micro 8 needs recomputation under the bound, whose
         # GPU terms are priors (context, NCCL, margin) until a GPU calibration measures them
         assert d.suggestion == ["trainer.activation_checkpointing=true", "zero=stage1"]
@@ -295,18 +298,18 @@ def test_autofit_fits_and_keeps_the_global_batch(gpus):
     assert cfg.trainer.micro_batch_size == 8 and cfg.trainer.global_batch_size is None  # input untouched
     assert d.overrides == [c.override() for c in d.changes]
     # The fastest fit under the bound. One 16 GiB GPU cannot partition GPT-2 large's 12.4 GB of fp32 states, and
-    # the GPU priors (context, NCCL, margin) leave too little beside them: the optimizer goes to the CPU. On 8,
-    # ZeRO-1 spreads the states and checkpointing keeps micro-batch 8.
+    # what the GPU holds beyond them (context, margin) leaves too little: the optimizer goes to the CPU, and
+    # checkpointing keeps micro-batch 8. On 8, ZeRO-1 spreads the states and checkpointing keeps micro-batch 8.
     keys = {c.key for c in d.changes}
     if gpus == 1:
-        assert keys == {"trainer.micro_batch_size", "trainer.global_batch_size", "zero.stage", "offload.device"}
+        assert keys == {"trainer.activation_checkpointing", "zero.stage", "offload.device"}
     else:
         assert keys == {"trainer.activation_checkpointing", "zero.stage"}
 
 
 def test_autofit_prefers_micro_batch_then_checkpointing():
     cfg = composed("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=16",
-                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=9", "hardware.host_mem_gib=256")
+                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=10", "hardware.host_mem_gib=256")
     hw = resolve_hardware(cfg.hardware, None)
     world = plan_world(cfg, hw)
     d = gate(cfg, world, hw, GateMode.autofit)
@@ -317,7 +320,7 @@ def test_autofit_prefers_micro_batch_then_checkpointing():
     bigger = dataclasses.replace(d.cfg, trainer=dataclasses.replace(d.cfg.trainer, micro_batch_size=2 * mb))
     assert not estimate(bigger, world, hw).fits
     # With less memory still, checkpointing comes in before any ZeRO or offload change.
-    tight = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu_mem_gib=4))
+    tight = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, gpu_mem_gib=6))
     hw = resolve_hardware(tight.hardware, None)
     d = gate(tight, world, hw, GateMode.autofit)
     assert d.ok and "trainer.activation_checkpointing=true" in d.overrides

@@ -45,7 +45,7 @@ coalescing), so free spans stay under ~1/3 of the bytes in use (measured up to 0
 third less the point's median) let two ranks of held-out set 1795677185 through by 0.1-0.5% (tiny GPT-2 ZeRO-3 +
 CPU offload + checkpointing, whose point was also 8% under): the whole third, set after that set."""
 PRIORS = {  # (relative width, where nothing measured the term)
-    "CUDA context": 1.7,        # 0.5 GiB prior; 287 MB lazy to 1343 MB on older CUDA (§5.2)
+    "CUDA context": 0.3,        # 1,723 MiB measured on an H100 (CUDA 13); 287-1,343 MB on older stacks (§5.2)
     "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
     "allocator margin": 1.0,    # 5-15% of the allocator peak (§5.2)
     "allocator and runtime overhead": 0.5,  # 35-80 MiB measured against 32-64 MiB counted (§5.4)

@@ -193,7 +193,7 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     fp16 = hw.accelerator == "cuda" or hw.fp16_ok
     states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
-    phases = step_phases(cfg, plan, bd, act, states, bwd)
+    phases = step_phases(cfg, plan, bd, act, states, bwd, cal)
     gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered)
     if gathered:  # after training: the states (as the step left them), the model gathered for the export
         # ZeRO-3's parameters are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance):
@@ -217,7 +217,7 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
 
 
 def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations, states: ModelStates,
-                bwd) -> "OrderedDict[str, Phase]":
+                bwd, cal: Calibration) -> "OrderedDict[str, Phase]":
     """The moments of one training step on the device, each the full list of what is alive then."""
     stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     part, persistent = states.partition, states.device
@@ -280,6 +280,10 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
         phases["all-reduce"] = phase([*persistent.items(), ("all-reduce flatten buffer", zero0_flatten_bytes(cfg, bd))])
     phases["optimizer step"] = phase([*step_states.items(), *bwd.resident,
                                       ("optimizer-step transient", step_transient(cfg, plan, bd, part))])
+    if plan.world.accelerator == "cuda":  # from the first matmul on, kept by the caching allocator
+        for name in phases:
+            if name != "init":
+                phases[name] = phase([*phases[name].items(), ("cuBLAS workspaces", cal.cublas_workspace_bytes)])
     if act.pipe_buffers:  # allocated by the first micro-batch, never freed
         for name in phases:
             if name != "init":

@@ -18,16 +18,25 @@ class Calibration:
     beyond live tensors, and measured corrections for this machine (§5.2-§5.5). GPU terms are priors until
     a calibration on the GPU replaces them (§5.5)."""
 
-    cuda_context_bytes: int = GIB // 2
-    """CUDA context + kernel images: 287 MB lazy / 667 MB eager loading, 781 MB, 1343 MB on older CUDA (§5.2)."""
+    cuda_context_bytes: int = 1723 * 2**20
+    """Device memory a GPU rank holds outside PyTorch's allocator: the CUDA context, the kernel images it loads,
+    cuBLAS/cuDNN handles, its NCCL group's own state. Measured 1,721-1,725 MiB at all 20 points of `make
+    gpu-validate` on an H100 (CUDA 13.0, torch 2.11, driver 580; one rank): the same whatever the model or layout.
+    The literature's 287 MB (lazy loading) to 1,343 MB (older CUDA) was the prior before (§5.2); 0.5 GiB
+    under-estimated every GPU point by 20-54% (docs/memory.md, GPU validation)."""
+    cublas_workspace_bytes: int = 64 * 2**20
+    """cuBLAS's and cuBLASLt's workspaces, which PyTorch takes from its caching allocator at the first matmul
+    and keeps: 32 MiB each on Hopper and later (less before: counted high). Every GPU point read 64-65 MiB more
+    allocated than the tensors counted, at every phase."""
     nccl_bytes: int = 1 * GIB
     """NCCL communicator buffers when more than one rank: ~0.2–2 GiB, more with more communicators (§5.2)."""
     allocator_margin: float = 0.10
     """Caching-allocator fragmentation, reserved − allocated: 5–15% prior (§5.2), with fixed-size segments."""
-    allocator_margin_expandable: float = 0.05
-    """The same with expandable segments (launcher.expandable_segments, the default): segments grow in place,
-    so what stays reserved beyond the peak is mostly rounding to 2 MiB pages. A prior until `make
-    gpu-validate` measures it (§5.2)."""
+    allocator_margin_expandable: float = 0.075
+    """The same with expandable segments (launcher.expandable_segments, the default): reserved over allocated
+    at the peak, 1.3-34.5%, median 7.5%, at the 20 points of `make gpu-validate` on an H100 (ZeRO-0 1-8%; ZeRO-2
+    and 3, whose side streams keep their own blocks, 3-17%; CPU offload's small peaks up to 35%). The bound
+    widens it by as much again, and the context's width covers the small peaks' absolute excess (≤ 462 MiB)."""
     cpu_process_bytes: int = 430 * 2**20
     """Resident memory of a CPU rank with everything imported (torch, transformers' model code, DeepSpeed and
     its CPU ops, the gloo group) before any tensor: 423-425 MiB measured on every rank of every run of
