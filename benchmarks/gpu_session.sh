@@ -42,7 +42,7 @@ timeout 150 python3 benchmarks/validate_memory_gpu.py --models gpt2,qwen2.5-0.5b
 timeout 40 python3 benchmarks/validate_memory_gpu.py --models bert-base-uncased --dtypes bf16 --zero 0,2 \
   --offload none --warmup 2 --steps 2 --json "$OUT/gpu-validation-bert.json"
 
-stage "throughput on the GPU: zerorun against the hand-written loop and HF Trainer (1 round)"
-timeout 170 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
-  --systems zerorun,loop,hf
+stage "throughput on the GPU: zerorun (defaults, and without each of its GPU settings) against the loop"
+timeout 200 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
+  --systems zerorun,zerorun@fixed-segments,zerorun@ds-buckets,loop
 stage "done"

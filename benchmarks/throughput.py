@@ -122,6 +122,9 @@ VARIANTS = {
     "glibc": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=1"],  # #25's default
     "glibc-mmap0": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=0"],
     "glibc-mmap32": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=32"],
+    # GPU ranks: what zerorun sets that the hand-written loop does not (the suspects of its 0.89x on an H200)
+    "fixed-segments": ["launcher.expandable_segments=false"],
+    "ds-buckets": ["zero.reduce_bucket_size=500000000", "zero.allgather_bucket_size=500000000"],
 }
 """``zerorun@NAME`` systems: zerorun with its CPU ranks' allocator (and glibc's mmap mode) pinned; ``zerorun`` alone
 runs its defaults."""
