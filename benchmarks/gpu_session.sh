@@ -25,22 +25,26 @@ transformers.__version__, '| nvcc', __import__('shutil').which('nvcc'))"
 stage "DeepSpeed's CUDA ops (python -m zerorun.prebuild fused_adam cpu_adam), timed"
 time timeout 150 python3 -m zerorun.prebuild fused_adam cpu_adam
 
-stage "zerorun on the GPU: gpt2 bf16 ZeRO-2, seq 512, micro 16; nvidia-smi sampled every 100 ms"
+stage "zerorun on the GPU: qwen2.5-0.5b bf16 ZeRO-2, seq 1024, micro 8; nvidia-smi sampled every 100 ms"
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" &
 SMI=$!
-timeout 90 zerorun +model=gpt2 precision=bf16 zero=stage2 data.seq_len=512 trainer.micro_batch_size=16 \
-  trainer.max_steps=60 trainer.export=false trainer.progress=false hydra.run.dir=/tmp/run1
+timeout 90 zerorun +model=qwen2.5-0.5b precision=bf16 zero=stage2 data.seq_len=1024 trainer.micro_batch_size=8 \
+  trainer.max_steps=40 trainer.export=false trainer.progress=false hydra.run.dir=/tmp/run1
 echo "zerorun exit code: $?"
 kill $SMI
 echo "nvidia-smi memory.used max: $(cut -d, -f2 "$OUT/smi.csv" | sort -n | tail -1) MiB"
 cp /tmp/run1/summary.json "$OUT/run1-summary.json" 2>/dev/null
 cp /tmp/run1/estimate.json "$OUT/run1-estimate.json" 2>/dev/null
 
-stage "GPU memory validator: gpt2, qwen2.5-0.5b × bf16 × ZeRO 0/2/3 × offload none/cpu; bert-base ZeRO 0/2"
-timeout 150 python3 benchmarks/validate_memory_gpu.py --models gpt2,qwen2.5-0.5b --dtypes bf16 --zero 0,2,3 --warmup 2 \
-  --steps 2 --json "$OUT/gpu-validation-1gpu.json"
-timeout 40 python3 benchmarks/validate_memory_gpu.py --models bert-base-uncased --dtypes bf16 --zero 0,2 \
-  --offload none --warmup 2 --steps 2 --json "$OUT/gpu-validation-bert.json"
+# The first lease (2026-11-27, docs/memory.md §8.5) measured GPT-2 × ZeRO 0/2/3 (offload with ZeRO-2) and BERT-base
+# ZeRO-0 (benchmarks/results/gpu/): this one starts with what it did not reach, a Llama-class model and ZeRO-3 with
+# offload, which test the measured terms on cases they were not set from.
+stage "GPU memory validator: qwen2.5-0.5b × bf16 × ZeRO 0/2/3 × offload none/cpu; gpt2 ZeRO-3 with offload"
+timeout 150 python3 benchmarks/validate_memory_gpu.py --models qwen2.5-0.5b --dtypes bf16 --zero 0,2,3 --warmup 2 \
+  --steps 2 --json "$OUT/gpu-validation-qwen.json"
+timeout 40 python3 benchmarks/validate_memory_gpu.py --models gpt2 --dtypes bf16 --zero 3 --offload cpu \
+  --warmup 2 --steps 2 --json "$OUT/gpu-validation-gpt2-z3-offload.json"
+python3 benchmarks/validate_memory_gpu.py --rescore "$OUT"/gpu-validation-*.json | tail -8
 
 stage "throughput on the GPU: zerorun (defaults, and without each of its GPU settings) against the loop"
 timeout 200 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
