@@ -86,7 +86,8 @@ def estimate_point(job: Dict[str, Any], ckpt: bool, seq: int, world: World, hw: 
             "total": alloc, "phase": est.peak_phase,
             "states": sum(v for k, v in est.phases["optimizer step"].items() if k in MM.STATE_KEYS),  # device only
             "reserved": alloc + est.components.get("allocator margin", 0),  # the margin the ranks' allocator gets
-            "device": est.per_rank_peak_bytes, "bound": est.bound_bytes, "fits": est.fits}
+            "device": est.per_rank_peak_bytes, "bound": est.bound_bytes, "fits": est.fits,
+            "host": est.host_bytes_per_node // world.nproc_per_node}
 
 
 # ---------------------------------------------------------------------------------------------- worker (one rank)
@@ -104,6 +105,7 @@ def worker(job: Dict[str, Any], out: str) -> None:
     from zerorun.ds_config import render
     from zerorun.models import build_model
     from zerorun.ops import set_build_flags
+    from zerorun.telemetry import peak_rss_bytes
 
     set_build_flags()  # FusedAdam/CPUAdam with the flags zerorun's prebuild and ranks use: no rebuild per process
 
@@ -161,7 +163,8 @@ def worker(job: Dict[str, Any], out: str) -> None:
                     step = max(step, torch.cuda.max_memory_allocated(dev))
                     reserved = max(reserved, torch.cuda.max_memory_reserved(dev))
                 free, total = torch.cuda.mem_get_info(dev)
-                row.update(fwd_bwd=gmax(fb), step=gmax(step), reserved=gmax(reserved), device=gmax(total - free))
+                row.update(fwd_bwd=gmax(fb), step=gmax(step), reserved=gmax(reserved), device=gmax(total - free),
+                           host=gmax(peak_rss_bytes()))  # the rank's host VmHWM so far (the host gate's figure)
                 row["total"] = max(init_peak, row["fwd_bwd"], row["step"])
                 row["states"] = MM.engine_model_states(engine, "cuda")
             except torch.cuda.OutOfMemoryError as e:
@@ -335,8 +338,8 @@ def report(pairs: List[Tuple[Dict[str, Any], Dict[str, Any]]]) -> None:
     print()
     err = MM._err
     for name, key in (("TOTAL (allocator peak)", "total"), ("fwd+bwd peak", "fwd_bwd"), ("optimizer-step peak", "step"),
-                      ("reserved", "reserved"), ("device in use", "device")):
-        errors = [err(e[key], r[key]) for r, e in pairs]
+                      ("reserved", "reserved"), ("device in use", "device"), ("host peak RSS (VmHWM)", "host")):
+        errors = [err(e[key], r[key]) for r, e in pairs if key in r and key in e]
         if errors:
             print("  " + MM.Accuracy(name, errors).line())
     under = [(r, e) for r, e in pairs if "bound" in e and e["bound"] < r["device"]]

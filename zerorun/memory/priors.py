@@ -41,9 +41,11 @@ class Calibration:
     """Resident memory of a CPU rank with everything imported (torch, transformers' model code, DeepSpeed and
     its CPU ops, the gloo group) before any tensor: 423-425 MiB measured on every rank of every run of
     benchmarks/rss_validation.py here (torch 2.13, DeepSpeed 0.19.8, transformers 4.57; §5.4)."""
-    cuda_process_host_bytes: int = GIB
-    """Host resident memory of a GPU rank before any tensor: the CPU figure plus the CUDA runtime and the
-    kernel libraries it maps. A prior, not measured by zerorun (§5.2)."""
+    cuda_process_host_bytes: int = 2 * GIB
+    """Host resident memory of a GPU rank beside its host tensors: the CPU figure plus the CUDA runtime and the
+    kernel libraries it maps (cuBLAS, cuDNN, NCCL). One rank of zerorun on an H200 (torch 2.11+cu130, GPT-2 small
+    ZeRO-2 bf16, summary.json's VmHWM) peaked at 2,533 MiB, 475 MiB of it the fp32 model built on the host: ~2.0
+    GiB of process. The 1 GiB prior before it under-estimated that rank's host memory by 40% (§8.5)."""
     cpu_overhead_bytes: int = 32 * 2**20
     """CPU ranks: what a rank's resident set grows by beyond its tensors in training: code paged in by the
     backward and optimizer kernels, small Python and allocator bookkeeping (35-41 MiB measured at ZeRO-0 where
