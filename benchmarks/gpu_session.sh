@@ -44,7 +44,10 @@ timeout 150 python3 benchmarks/validate_memory_gpu.py --models qwen2.5-0.5b --dt
   --steps 2 --json "$OUT/gpu-validation-qwen.json"
 timeout 40 python3 benchmarks/validate_memory_gpu.py --models gpt2 --dtypes bf16 --zero 3 --offload cpu \
   --warmup 2 --steps 2 --json "$OUT/gpu-validation-gpt2-z3-offload.json"
-python3 benchmarks/validate_memory_gpu.py --rescore "$OUT"/gpu-validation-*.json | tail -8
+# A traced family (zerorun/arch/traced.py: planned from the model transformers builds) on CUDA's kernels
+timeout 60 python3 benchmarks/validate_memory_gpu.py --models gemma-3-1b --dtypes bf16 --zero 2 --offload none \
+  --seqs 512 --warmup 2 --steps 2 --json "$OUT/gpu-validation-gemma3.json"
+python3 benchmarks/validate_memory_gpu.py --rescore "$OUT"/gpu-validation-*.json | tail -9
 
 stage "throughput on the GPU: zerorun (defaults, and without each of its GPU settings) against the loop"
 timeout 200 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
