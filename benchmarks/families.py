@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from test_traced import TYPES, task_of  # noqa: E402  the tiny configs the unit tests check the trace on
+sys.path[:0] = [str(ROOT / "tests" / "unit"), str(ROOT / "tests")]  # test_traced imports tests/helpers.py
+from test_traced import TYPES  # noqa: E402  the tiny configs the unit tests check the trace on
 
 BIN = Path(sys.executable).parent
 MIB = 2**20
