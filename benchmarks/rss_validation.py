@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -188,7 +189,23 @@ class Refused(RuntimeError):
     """zerorun refused the config before launch (exit 2): the gate said it does not fit here."""
 
 
-def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated: bool = False) -> List[Dict]:
+def _run_bounded(cmd: List[str], env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own, killed whole (launcher and ranks) after ``timeout`` seconds: a drawn shape
+    can be hours on this CPU (bf16 matmuls without native bf16: GPT-2 small at 5,200 tokens a step was still in
+    its first forward after 20 min), and a timeout that killed only zerorun left its ranks running."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"not measured: still running after {timeout:.0f} s (--run-timeout), killed") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated: bool = False,
+              run_timeout: float = 900) -> List[Dict]:
     run_dir = Path(tempfile.mkdtemp(dir=work))
     ranks = [] if any(o.startswith("launcher.nproc_per_node") for o in overrides) else ["launcher.nproc_per_node=2"]
     pinned = any(o.startswith("launcher.mmap_threshold_mib") for o in overrides)
@@ -199,7 +216,7 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
         if cal.returncode != 0:
             raise RuntimeError(f"calibrating {' '.join(overrides)} failed:\n{cal.stdout[-3000:]}")
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+    proc = _run_bounded(cmd, env, run_timeout)
     if proc.returncode == 2:
         raise Refused(next((line for line in proc.stdout.splitlines() if "zerorun: error" in line or "needs" in line),
                            proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "exit 2"))
@@ -295,6 +312,8 @@ def main() -> None:
     ap.add_argument("--mmap", type=int, default=1, help="launcher.mmap_threshold_mib of every run (1: validated)")
     ap.add_argument("--calibrated", action="store_true",
                     help="run zerorun-calibrate on each point first (a fresh calibration cache), then the run")
+    ap.add_argument("--run-timeout", type=float, default=900, metavar="S",
+                    help="seconds one run may take before it is killed and reported as not measured")
     ap.add_argument("--random", type=int, metavar="N",
                     help="N configs drawn uniformly from the supported space (mmap mode: auto), not a fixed set")
     ap.add_argument("--pin-mmap", type=int, metavar="MIB",
@@ -345,7 +364,7 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         try:
-            point_rows = run_point(ovs, work, env, args.calibrated)
+            point_rows = run_point(ovs, work, env, args.calibrated, args.run_timeout)
         except Refused as e:  # the gate's answer on this machine: a user's run stops there too
             print(f"{' '.join(ovs)[:92]:92s} refused before launch: {str(e)[:160]}", flush=True)
             continue
