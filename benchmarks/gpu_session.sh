@@ -3,7 +3,8 @@
 # machine's image lacks (carried as wheels in .whl/), DeepSpeed's CUDA ops built the way zerorun builds them, then
 # in order of importance: a real `zerorun` run on the GPU with nvidia-smi sampled beside it, the GPU memory
 # validator (make gpu-validate's script) on a subset of its matrix, and the paired throughput benchmark on CUDA.
-# Each stage has its own time limit, so one stage's failure leaves the others' figures. Output: $OUT.
+# The wheels: `bash benchmarks/gpu_wheels.sh` here, before the lease (carry .whl). Each stage has its own time
+# limit, so one stage's failure leaves the others' figures. Output: $OUT.
 #   bash benchmarks/gpu_session.sh          # on the GPU machine, from the repository root
 set -u
 OUT=${OUT:-/tmp/gpu-session}
