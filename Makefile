@@ -87,8 +87,10 @@ test-explore: $(VENV)/.installed-test
 		$$(grep -l hypothesis tests/unit/*.py)
 
 # On a machine with NVIDIA GPUs: the memory matrix at OOM level (reserved peak; context + NCCL + reserved from the
-# driver's mem_get_info) against the gate, written to benchmarks/results/ (commit it: the priors become facts).
+# driver's mem_get_info) against the gate, written to benchmarks/results/gpu/ (commit it: the priors become facts;
+# `validate_memory_gpu.py --rescore benchmarks/results/gpu/*.json` scores them anywhere). On a borrowed machine
+# whose image lacks zerorun's packages: benchmarks/gpu_session.sh.
 GPUS ?= 1
 gpu-validate: $(VENV)/.installed-test
-	mkdir -p benchmarks/results
-	$(PY) benchmarks/validate_memory_gpu.py --nproc $(GPUS) --json benchmarks/results/gpu-validation-$(GPUS)gpu.json
+	mkdir -p benchmarks/results/gpu
+	$(PY) benchmarks/validate_memory_gpu.py --nproc $(GPUS) --json benchmarks/results/gpu/gpu-validation-$(GPUS)gpu.json
