@@ -280,14 +280,14 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
         phases["all-reduce"] = phase([*persistent.items(), ("all-reduce flatten buffer", zero0_flatten_bytes(cfg, bd))])
     phases["optimizer step"] = phase([*step_states.items(), *bwd.resident,
                                       ("optimizer-step transient", step_transient(cfg, plan, bd, part))])
-    if plan.world.accelerator == "cuda":  # from the first matmul on, kept by the caching allocator
-        for name in phases:
-            if name != "init":
-                phases[name] = phase([*phases[name].items(), ("cuBLAS workspaces", cal.cublas_workspace_bytes)])
-    if act.pipe_buffers:  # allocated by the first micro-batch, never freed
-        for name in phases:
-            if name != "init":
-                phases[name] = phase([*phases[name].items(), ("pipeline buffers", act.pipe_buffers)])
+    # Allocated by the first step and kept in every phase after the model is built: cuBLAS's workspaces (the
+    # caching allocator holds them from the first matmul on), a pipeline's buffers (the first micro-batch's).
+    kept = [("cuBLAS workspaces", cal.cublas_workspace_bytes)] if plan.world.accelerator == "cuda" else []
+    if act.pipe_buffers:
+        kept.append(("pipeline buffers", act.pipe_buffers))
+    for name in phases:
+        if kept and name != "init":
+            phases[name] = phase([*phases[name].items(), *kept])
     return phases
 
 
