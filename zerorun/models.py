@@ -86,7 +86,7 @@ def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dty
         kwargs["num_labels"] = num_labels
     if m.pretrained:
         try:
-            return cls.from_pretrained(weights_path(m), **kwargs)
+            return keep_4bit_training_layout(cls.from_pretrained(weights_path(m), **kwargs))
         except OSError as e:
             raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
     tmp = tempfile.mkdtemp(prefix="zerorun-qlora-init-")
@@ -94,9 +94,22 @@ def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dty
         cls.from_config(hf_config(m, num_labels)).save_pretrained(tmp, safe_serialization=True)
         model = cls.from_pretrained(tmp, **kwargs)
         model.config._name_or_path = m.name_or_path  # not the directory about to go (peft's export reads it)
-        return model
+        return keep_4bit_training_layout(model)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def keep_4bit_training_layout(model):
+    """Turn off bitsandbytes' CPU inference repack. On a CPU with AVX512-BF16 (Sapphire Rapids, Zen 4),
+    bitsandbytes 0.50 rewrites a 4-bit weight in place into an inference layout the first time the layer runs in
+    eval mode without grad (zerorun's validation, the export's logits probe). The rewrite fails on a layer whose
+    input width is not a multiple of the 64-value quantization block (tiny-llama's down_proj, 352 wide: "shape
+    '[128, 5]' is invalid for input of size 704"), and where it works, training goes on with the weights in another
+    layout and kernel than before the evaluation (and than a resumed run)."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels: int = 2, quantized: str = "",
