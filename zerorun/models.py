@@ -127,6 +127,9 @@ def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels:
                 else cls.from_pretrained(weights_path(m))
         except OSError as e:
             raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
+    from .arch import fuse_activations
+
+    fuse_activations(model)
     # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
     model.config.loss_type = "ForCausalLM" if task == TaskName.causal_lm else "ForSequenceClassification"
     model.loss_type = model.config.loss_type  # what loss_function reads (from the class name: None for GPT2LMHeadModel)

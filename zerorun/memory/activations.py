@@ -109,8 +109,8 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     checks sdpa-math, and sdpa-fused in its CPU form (the CPU flash kernel, used when dropout = 0);
     the CUDA kernels and eager are not measured:
 
-    - GPT-2's default ``gelu_new`` is a Python tanh formula that saves x, tanh(·), 0.5x, 1+tanh:
-      4·I/h units instead of I/h (§3.4: +24·sbh at I = 4h in 16-bit).
+    - GPT-2's ``gelu_new`` (a Python tanh formula that saves x, tanh(·), 0.5x, 1+tanh: 4·I/h units) is run as
+      PyTorch's fused tanh GeLU (``arch.fuse_activations``), which saves its input: I/h units, as erf GeLU.
     - GPT-2 builds a DynamicCache in training (use_cache defaults to true): K and V are ``torch.cat``
       copies, +2 units; with checkpointing HF turns the cache off.
     - sdpa-fused: q, k, v (+ fp32 log-sum-exp 4·a·s·b); the kernel output *is* the projection input
@@ -154,8 +154,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
     sbh, s2 = s * b * h, a * s * s * b
     r = inner / h  # MLP width in units of h
 
-    gelu_units = 4 * r if t.tanh_gelu else r  # gelu_new saves 4 tensors of the MLP width; erf GeLU saves its input
-    base_units = 4 + 1 + r + gelu_units  # LN1, LN2, QKV input, projection input; fc1 input; fc2 input; GeLU
+    base_units = 4 + 1 + 2 * r  # LN1, LN2, QKV input, projection input; fc1 input; the GeLU's input and output
     ln_stats = 2 * 2 * s * b * LN_STAT_BYTES
 
     def layer(cache: bool) -> int:
@@ -195,11 +194,11 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
             outside += b * s * s * e
         logits = LOSS_BYTES_PER_LOGIT * b * num_labels
     # Backward of one layer: the residual-stream grad plus the MLP grads beyond what is saved: one I-wide
-    # grad for erf GeLU (each node frees its saved input as it makes its grad), two through gelu_new's
-    # chain of elementwise ops. In attention one s² grad beyond the saved ones. Sized from CPU
+    # grad for the GeLU (erf, or tanh fused: each node frees its saved input as it makes its grad). In attention
+    # one s² grad beyond the saved ones. Sized from CPU
     # measurements (benchmarks/validate_memory_cpu.py "layer" column): two extra s² grads and two
     # I-wide grads for BERT overestimated by 5-25%.
-    working = e * sbh + (2 if t.tanh_gelu else 1) * e * r * sbh
+    working = e * sbh + e * r * sbh
     if kernel == "sdpa-math":
         working = max(working, e * sbh + 4 * s2)
     elif kernel == "eager":
@@ -214,7 +213,7 @@ def _activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, a
         attn = [(3 + (2 if t.training_kv_cache and not checkpointing else 0), hwide), (1, 4 * a * s * b)]
     else:
         attn = [(3 + (2 if t.training_kv_cache and not checkpointing else 0), hwide), (3 if dropout else 1, s2b * e)]
-    layer_sizes = [(5, hwide), (1 + (4 if t.tanh_gelu else 1), iwide), (2 if dropout else 0, sbh * mask), (4, s * b * 4),
+    layer_sizes = [(5, hwide), (2, iwide), (2 if dropout else 0, sbh * mask), (4, s * b * 4),
                    *attn]
     outside_sizes = [(2, hwide), (1 if dropout else 0, sbh * mask), (2, s * b * 4)]
     return Activations(kernel, per_layer, recompute, e * sbh, int(outside), int(working), int(logits), L,
