@@ -140,9 +140,16 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     bert = model in ("tiny-bert", "minilm", "encoder")
     ranks = rng.choice((1, 2))
     decoder = model in DECODERS or model == "decoder"
-    pipeline = ranks == 2 and not decoder and rng.random() < 0.2
-    stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2, 3))
-    offload = "none" if pipeline else rng.choice(("none", "cpu", "nvme"))
+    # On 2 ranks: GPT-2/BERT a pipeline one time in five; a Llama-class decoder data, tensor (AutoTP) or pipeline
+    # parallel, a third each (issue 35's modes; the rules refuse what does not combine, and the draw is redone).
+    mode = "dp"
+    if ranks == 2 and model in DECODERS:
+        mode = rng.choice(("dp", "tp", "pipeline"))
+    elif ranks == 2 and not decoder and rng.random() < 0.2:
+        mode = "pipeline"
+    pipeline = mode == "pipeline"
+    stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2)) if mode == "tp" else rng.choice((0, 1, 2, 3))
+    offload = rng.choice(("none", "cpu", "nvme")) if mode == "dp" else "none"  # the rules refuse offload with tp
     max_seq = 256 if model == "tiny-gpt2" else 512
     chosen = [f"+model={model}"] if arch_dir is None else ["+model=hf", f"model.name_or_path={arch_dir}"]
     ovs = [*chosen, f"launcher.nproc_per_node={ranks}", f"zero=stage{stage}", f"offload={offload}",
@@ -152,7 +159,9 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
            f"optimizer={rng.choice(('adamw', 'adamw8bit', 'sgd'))}"]
     if pipeline:
         ovs += ["parallel=pipeline", "parallel.micro_batches=4"]
-    if (decoder or model == "encoder") and rng.random() < 0.5:  # LoRA: ZeRO-0/1/2 (random_points redraws stage 3)
+    elif mode == "tp":
+        ovs += ["parallel=tp", "parallel.tp_size=2"]
+    if (decoder or model == "encoder") and mode == "dp" and rng.random() < 0.5:  # LoRA: ZeRO-0/1/2 (redrawn at 3)
         adapter = rng.choice(("lora", "qlora")) if decoder else "lora"  # QLoRA: a 4-bit base (bitsandbytes' CPU kernels)
         ovs += [f"adapter={adapter}", f"adapter.r={rng.choice((4, 8, 16))}"]
     if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
