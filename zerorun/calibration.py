@@ -35,9 +35,10 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
-RANK_RUNTIME = 2
-"""Bumped when zerorun's own rank code changes what a rank holds beyond its tensors, which package versions do not
-show in an editable install: measurements made before are not reused (2: CPU ranks skip DeepSpeed's shm comm op)."""
+RANK_RUNTIME = 3
+"""Bumped when zerorun's own rank code changes what a rank holds, which package versions do not show in an
+editable install: measurements made before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's
+gelu_new runs fused: its GeLU saves one MLP-wide tensor, not four)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)
