@@ -166,7 +166,7 @@ def test_peak_is_max_over_phases_not_a_sum():
 def test_golden_gpt2_stage2_bf16():
     """GPT-2 small, ZeRO-2, bf16, 8 × 40 GiB GPUs, micro 4 × seq 512: every term by hand."""
     e = est("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=512", "trainer.micro_batch_size=4")
-    P, V, h, a, L, b, s, I = 124_439_808, 50257, 768, 12, 12, 4, 512, 3072
+    P, V, h, a, L, b, s = 124_439_808, 50257, 768, 12, 12, 4, 512
     part = -(-P // 8)  # 15_554_976
     sbh = s * b * h
     # Per layer (CUDA SDPA flash, bf16 = 2 bytes, dropout masks 1 byte, KV-cache copies on):
