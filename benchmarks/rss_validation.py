@@ -148,7 +148,7 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     elif ranks == 2 and not decoder and rng.random() < 0.2:
         mode = "pipeline"
     pipeline = mode == "pipeline"
-    stage = rng.choice((0, 1)) if pipeline else rng.choice((0, 1, 2)) if mode == "tp" else rng.choice((0, 1, 2, 3))
+    stage = rng.choice({"dp": (0, 1, 2, 3), "tp": (0, 1, 2), "pipeline": (0, 1)}[mode])  # the stages each mode runs
     offload = rng.choice(("none", "cpu", "nvme")) if mode == "dp" else "none"  # the rules refuse offload with tp
     max_seq = 256 if model == "tiny-gpt2" else 512
     chosen = [f"+model={model}"] if arch_dir is None else ["+model=hf", f"model.name_or_path={arch_dir}"]
@@ -162,7 +162,7 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     elif mode == "tp":
         ovs += ["parallel=tp", "parallel.tp_size=2"]
     if (decoder or model == "encoder") and mode == "dp" and rng.random() < 0.5:  # LoRA: ZeRO-0/1/2 (redrawn at 3)
-        adapter = rng.choice(("lora", "qlora")) if decoder else "lora"  # QLoRA: a 4-bit base (bitsandbytes' CPU kernels)
+        adapter = rng.choice(("lora", "qlora")) if decoder else "lora"  # QLoRA: bitsandbytes' CPU 4-bit kernels
         ovs += [f"adapter={adapter}", f"adapter.r={rng.choice((4, 8, 16))}"]
     if bert:  # rows longer than any seq_len, so padded batches reach it (the estimate's assumption)
         ovs += [f"data.path={long_rows(data_dir / 'long.jsonl')}", "data.name=long"]

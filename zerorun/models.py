@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import List
 
+from .arch import fuse_activations
 from .config import DataError, ModelConfig, ModelLoadError, TaskName, UserError
 
 
@@ -86,7 +87,7 @@ def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dty
         kwargs["num_labels"] = num_labels
     if m.pretrained:
         try:
-            return keep_4bit_training_layout(cls.from_pretrained(weights_path(m), **kwargs))
+            return cls.from_pretrained(weights_path(m), **kwargs)
         except OSError as e:
             raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
     tmp = tempfile.mkdtemp(prefix="zerorun-qlora-init-")
@@ -94,7 +95,7 @@ def build_quantized(m: ModelConfig, task: TaskName, num_labels: int, compute_dty
         cls.from_config(hf_config(m, num_labels)).save_pretrained(tmp, safe_serialization=True)
         model = cls.from_pretrained(tmp, **kwargs)
         model.config._name_or_path = m.name_or_path  # not the directory about to go (peft's export reads it)
-        return keep_4bit_training_layout(model)
+        return model
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -127,9 +128,8 @@ def build_model(m: ModelConfig, task: TaskName = TaskName.causal_lm, num_labels:
                 else cls.from_pretrained(weights_path(m))
         except OSError as e:
             raise ModelLoadError(offline_hint(m.name_or_path, e)) from None
-    from .arch import fuse_activations
-
     fuse_activations(model)
+    keep_4bit_training_layout(model)  # a no-op without 4-bit layers
     # Name the loss explicitly: transformers warns on every forward when the config leaves it unset.
     model.config.loss_type = "ForCausalLM" if task == TaskName.causal_lm else "ForSequenceClassification"
     model.loss_type = model.config.loss_type  # what loss_function reads (from the class name: None for GPT2LMHeadModel)

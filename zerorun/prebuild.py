@@ -2,8 +2,9 @@
 
 No argument: every op zerorun may load on this machine's accelerator (zerorun.ops.OPS: cpu_adam for optimizer
 offload, async_io for NVMe offload, fused_adam on GPUs), side by side, as `make ops`/`make test` do; an op this
-machine cannot build (async_io without libaio) is skipped. ``OP ...``: those only. ``--for demo``: the ones the default job (`zerorun` with no arguments) loads on
-this machine, as `make demo` does (none: CPU ranks skip DeepSpeed's shm comm op, train.trainer.init_distributed).
+machine cannot build (async_io without libaio) is skipped. ``OP ...``: those only. ``--for demo``: the ones the
+default job (`zerorun` with no arguments) loads on this machine, as `make demo` does (none: CPU ranks skip
+DeepSpeed's shm comm op, train.trainer.init_distributed).
 Otherwise zerorun's launcher builds what a run needs before its ranks start (zerorun.ops.ensure), and GPU images
 build theirs at `docker build` time (docker/Dockerfile). Builds go where the ranks look (launcher.rank_env's
 TORCH_EXTENSIONS_DIR), with zerorun's flags (zerorun.ops.set_build_flags: async_io on a precompiled header).

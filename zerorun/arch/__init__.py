@@ -18,7 +18,8 @@ from .config_json import ArchitectureError, model_fields_from_config_json
 from .decoder import DECODER_TYPES, Decoder, decoder_of
 
 __all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
-           "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears", "lora_layer_tensors",
+           "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears",
+           "lora_layer_tensors",
            "lora_target_problems", "lora_targets", "peft_lora_defaults",
            "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
 

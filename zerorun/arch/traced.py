@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import fuse_activations
+
 CACHE_VERSION = 3
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
@@ -194,8 +196,6 @@ def _meta_model(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
         with torch.device("meta"), no_init_weights():
             model = model_class(task).from_config(cfg)
         model.tie_weights()  # init_weights ties them, and no_init_weights skips it
-        from . import fuse_activations
-
         return fuse_activations(model)  # as build_model() runs it
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
         raise TraceError(f"transformers cannot build {model_type} for {task} from these fields "
