@@ -164,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        cfg = compose(argv)  # the same typo check, composition and typing as zerorun
+        cfg = compose(argv, cached=True)  # the same typo check, composition and typing as zerorun (kept on disk)
         t1 = time.perf_counter()
         detected = detect() if needs_detection(cfg.hardware) else None
         t2 = time.perf_counter()

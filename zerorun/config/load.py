@@ -10,12 +10,13 @@ import dataclasses
 import difflib
 import functools
 import os
-from typing import Any, List, Optional, Sequence
-
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 from .errors import ConfigError, UserError
 from .schema import Family, RunConfig, register_schemas
+
+if TYPE_CHECKING:  # OmegaConf is imported where a tree is composed: a cached estimate never needs it
+    from omegaconf import DictConfig
 
 
 def _field_type(f: dataclasses.Field) -> Any:
@@ -108,8 +109,11 @@ def _is_schema_node(path: str) -> bool:
     return True
 
 
-def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """A plain, fully resolved RunConfig object (enums as enums) from a composed config."""
+def to_run_config(cfg: DictConfig | RunConfig, files_read: Optional[List[Optional[str]]] = None) -> RunConfig:
+    """A plain, fully resolved RunConfig object (enums as enums) from a composed config; the checkpoint
+    config.json it reads, if any, is appended to ``files_read`` (None where it came from the hub)."""
+    from omegaconf import OmegaConf
+
     if isinstance(cfg, RunConfig):
         return cfg
     extra = unknown_keys(cfg)
@@ -124,10 +128,10 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         raise typing_error(e) from None
     from .paths import expanded
 
-    return with_architecture_of_checkpoint(expanded(out))
+    return with_architecture_of_checkpoint(expanded(out), files_read)
 
 
-def with_architecture_of_checkpoint(cfg: RunConfig) -> RunConfig:
+def with_architecture_of_checkpoint(cfg: RunConfig, files_read: Optional[List[Optional[str]]] = None) -> RunConfig:
     """``model.from_config_json=true`` (the ``hf`` model file): the architecture fields read from the checkpoint's
     config.json (a local directory or file; on the hub, when it can be reached), then the flag cleared, so the run
     dir's config.yaml holds the numbers and the ranks never read it again."""
@@ -151,8 +155,11 @@ def with_architecture_of_checkpoint(cfg: RunConfig) -> RunConfig:
         from ..models import resolve_pkg_path
 
         source = resolve_pkg_path(source)
-    if not os.path.exists(source):
+    read = source if os.path.exists(source) else None
+    if read is None:
         source = _hub_config_json(source)
+    if files_read is not None:
+        files_read.append(os.path.join(read, "config.json") if read and os.path.isdir(read) else read)
     try:
         fields = model_fields_from_config_json(source)
     except ArchitectureError as e:
@@ -184,6 +191,8 @@ def _hub_config_json(name: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _schema() -> DictConfig:
     """The typed schema, built once (12 ms): OmegaConf.merge copies it, never changes it."""
+    from omegaconf import OmegaConf
+
     return OmegaConf.structured(RunConfig)
 
 
@@ -196,9 +205,18 @@ def typing_error(e: Exception) -> UserError:
                      "check the key's type (zerorun --cfg job shows every key with its value).", key=key)
 
 
-def compose(overrides: Sequence[str]) -> RunConfig:
+def compose(overrides: Sequence[str], cached: bool = False) -> RunConfig:
     """The RunConfig ``zerorun <overrides>`` would run, composed in-process (zerorun-estimate, tests):
-    the same typo check, Hydra composition and typing as the zerorun command."""
+    the same typo check, Hydra composition and typing as the zerorun command. ``cached``: kept on disk and
+    reused while nothing it was composed from changes (compose_cache.py)."""
+    if cached:
+        from . import compose_cache
+
+        return compose_cache.cached(overrides, _compose)
+    return _compose(overrides, [])
+
+
+def _compose(overrides: Sequence[str], files_read: List[Optional[str]]) -> RunConfig:
     from hydra import compose as hydra_compose, initialize_config_module
 
     typos = unknown_override_keys(overrides) + unknown_group_choices(overrides)
@@ -210,7 +228,7 @@ def compose(overrides: Sequence[str]) -> RunConfig:
             raw = hydra_compose("config", overrides=list(overrides))
     except Exception as e:  # an unknown group option or a malformed override: Hydra's first line says which
         raise UserError(str(e).strip().splitlines()[0]) from None
-    return to_run_config(raw)
+    return to_run_config(raw, files_read)
 
 
 def hydra_words_problem(args: List[str]) -> None:

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+from .fields import MISSING_VALUE as MISSING  # omegaconf.MISSING, without importing OmegaConf
 
 from .choices import (AdapterName, Allocator, DataFormat, Dtype, Family, GateMode, LauncherName, Monitor,  # noqa: F401
                       OffloadDevice, OptimizerName, ParallelMode, Partition, Rendezvous, Schedule, TaskName)
