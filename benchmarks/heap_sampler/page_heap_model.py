@@ -1,0 +1,81 @@
+"""Candidate models of tcmalloc's page-heap term, scored on stored RSS rows without running anything.
+
+    python benchmarks/heap_sampler/page_heap_model.py benchmarks/results/rss-random/seed-1795765402.jsonl ...
+
+For every tcmalloc row it rebuilds today's estimate (as rss_validation.py --rescore does), removes the shipped
+page-heap term (15% of the allocator peak) and scores alternatives: "flat" adds what the activation phases' peak
+plus the step's contiguous transients exceed the allocator peak by (docs/memory.md §5.4), plus a fraction.
+"""
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import rss_validation as R  # noqa: E402
+
+PAGE = "page heap (preloaded allocator)"
+ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
+
+
+def cases(files: List[str]) -> List[Dict]:
+    import json
+
+    from zerorun.calibration import calibration_for, ensure_baseline
+    from zerorun.config import compose, make_plan, plan_world
+    from zerorun.hardware import detect
+    from zerorun.memory import estimate
+
+    hw, out = detect(), []
+    for r in (json.loads(line) for f in files for line in open(f)):
+        if r.get("measured") is None or r.get("allocator") != "tcmalloc":
+            continue
+        ovs = [*R.BASE[:-1], f"launcher.mmap_threshold_mib={r.get('mmap_mib') or 1}", *r["config"].split(),
+               "launcher.allocator=tcmalloc"]
+        if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
+            ovs.append("launcher.nproc_per_node=2")
+        cfg = compose([o for o in ovs if not o.startswith("data.path")])
+        ensure_baseline(cfg, hw)
+        cal = dataclasses.replace(calibration_for(cfg, hw), corrections=())
+        if r.get("by_point", {}).get("ready"):
+            cal = dataclasses.replace(cal, cpu_process_bytes=r["by_point"]["ready"], process_measured=True)
+        plan = make_plan(cfg, plan_world(cfg, hw))
+        est = estimate(cfg, plan, hw, cal=cal)
+        if est.stages:  # pipeline stages: one rank's phases are a stage's
+            continue
+        point, _ = R.rank_figures(est.to_json(), r["rank"])
+        out.append(dict(measured=r["measured"], base=point - est.components.get(PAGE, 0), shipped=point,
+                        phases={k: dict(v) for k, v in est.phases.items()}, stage=cfg.zero.stage,
+                        offload=plan.offload_optimizer, config=r["config"]))
+    return out
+
+
+def flat(c: Dict, fraction: float, with_offload: bool = True) -> int:
+    """The activation phases' peak plus the largest contiguous transient of a later phase, beyond the peak."""
+    ph = {k: v for k, v in c["phases"].items() if k != "export"}
+    peak = max(sum(v.values()) for v in ph.values())
+    act = max((sum(ph[p].values()) for p in ACTIVATION_PHASES if p in ph), default=0)
+    late = ph.get("all-reduce", {}).get("all-reduce flatten buffer", 0)
+    if "optimizer step" in ph and (with_offload or not c["offload"]):
+        late = max(late, ph["optimizer step"].get("optimizer-step transient", 0))
+    return max(0, act + late - peak) + int(fraction * peak)
+
+
+def score(cs: List[Dict], term: Callable[[Dict], int]) -> str:
+    errs = [(c["base"] + term(c) - c["measured"]) / c["measured"] for c in cs]
+    under = [e for e in errs if e < 0]
+    return (f"{len(errs)} ranks: median |error| {100 * statistics.median(abs(e) for e in errs):.1f}%, worst "
+            f"{100 * max(abs(e) for e in errs):.1f}%, under on {len(under)} (largest {-100 * min(errs):.1f}%)")
+
+
+def main(files: List[str]) -> None:
+    cs = cases(files)
+    print("shipped (15% of the peak)  ", score(cs, lambda c: c["shipped"] - c["base"]))
+    for fraction in (0.0, 0.03, 0.05):
+        print(f"flat + {fraction:.2f} of the peak    ", score(cs, lambda c: flat(c, fraction)))
+        print(f"  without offload's step   ", score(cs, lambda c: flat(c, fraction, with_offload=False)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
