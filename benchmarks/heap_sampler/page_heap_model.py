@@ -74,7 +74,7 @@ def main(files: List[str]) -> None:
     print("shipped (15% of the peak)  ", score(cs, lambda c: c["shipped"] - c["base"]))
     for fraction in (0.0, 0.03, 0.05):
         print(f"flat + {fraction:.2f} of the peak    ", score(cs, lambda c: flat(c, fraction)))
-        print(f"  without offload's step   ", score(cs, lambda c: flat(c, fraction, with_offload=False)))
+        print("  without offload's step   ", score(cs, lambda c: flat(c, fraction, with_offload=False)))
 
 
 if __name__ == "__main__":

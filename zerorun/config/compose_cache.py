@@ -2,10 +2,10 @@
 
 Importing Hydra and OmegaConf and composing is ~0.2 s of a warm estimate's ~0.45 s; the RunConfig it yields is a
 pure function of the overrides, zerorun's own files (the schema, conf/ and the model files), the Hydra and
-OmegaConf installed (and transformers, torch and peft, which read a config.json's architecture), the home directory (``~`` is expanded) and, for ``+model=hf``, the config.json it read. The
-key covers the first five; the entry records the last by size and mtime and is ignored when it changed. A
-config.json read from the hub, an override with an interpolation (``${...}``, which may read the environment) or a
-Hydra setting is never cached.
+OmegaConf installed (and transformers, torch and peft, which read a config.json's architecture), the home
+directory (``~`` is expanded) and, for ``+model=hf``, the config.json it read. The key covers all but the last;
+the entry records that by size and mtime and is ignored when it changed. A config.json read from the hub, an
+override with an interpolation (``${...}``, which may read the environment) or a Hydra setting is never cached.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def key(overrides: Sequence[str]) -> str:
     """What the composition depends on besides a checkpoint's config.json (1-2 ms: ~100 stats)."""
     libs = [importlib.util.find_spec(name) for name in ("hydra", "omegaconf", "transformers", "torch", "peft")]
     parts = [str(VERSION), sys.version, os.path.expanduser("~"), repr(list(overrides)),
-             repr([_tree_stamps(root) for root in source_roots()]), repr([stamp(s.origin) if s and s.origin else None for s in libs])]
+             repr([_tree_stamps(root) for root in source_roots()]),
+             repr([stamp(s.origin) if s and s.origin else None for s in libs])]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
