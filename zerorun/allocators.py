@@ -187,7 +187,7 @@ def memory_mode(launcher_cfg, mmap_threshold: int) -> str:
 def small_block_threshold(launcher_cfg, accelerator: str = "cpu") -> int:
     """The size below which the RSS estimate counts freed activations as heap retention: glibc's mmap threshold;
     a preloaded allocator's size classes keep small blocks as glibc's heap does below 1 MiB, and what it keeps of
-    larger ones is its page heap, a term of its own (memory.priors.Calibration.page_heap_retention)."""
+    larger ones is its page heap, a term of its own (memory/page_heap.py)."""
     from .config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
 
     if concrete(launcher_cfg, accelerator) in PRELOADED:

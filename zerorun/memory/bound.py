@@ -39,7 +39,7 @@ live tensors depends on the order blocks are freed and reused. Measured on shape
 the bytes counted at the peak above the point estimate (GPT-2 small, ZeRO-3, fp32, checkpointing, mmap off:
 4,605 MiB against 2,692; 0.75 let that rank through, issue 33): the heap may hold a second copy of them."""
 HEAP_TCMALLOC = 0.33
-"""tcmalloc: how much more its page heap may keep than the point's 15% of the counted tensors. tcmalloc releases
+"""tcmalloc: how much more its page heap may keep than the point's term (page_heap.py), per counted byte. tcmalloc releases
 its free pages to the OS once they pass a quarter of its heap while the heap grows (gperftools' forced
 coalescing), so free spans stay under ~1/3 of the bytes in use (measured up to 0.31 on the dev set). 0.20 (that
 third less the point's median) let two ranks of held-out set 1795677185 through by 0.1-0.5% (tiny GPT-2 ZeRO-3 +

@@ -25,6 +25,7 @@ from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
+from .page_heap import page_heap_bytes
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, PAGE_HEAP_TERM, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
 from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
@@ -340,9 +341,10 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         comps["process runtime"] = cal.cpu_process_bytes
         comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, plan, bd)
         if allocator_of(cfg.launcher, world.accelerator) in PRELOADED:
-            # Freed blocks above 1 MiB stay in the allocator's page heap for reuse (what makes it fast); what
-            # the step's differently sized transients leave there grows with what the allocator holds (§5.4).
-            comps[PAGE_HEAP_TERM] = int(cal.page_heap_retention * alloc_peak)
+            # Freed spans stay in the allocator's page heap for reuse (what makes it fast); the blocks that find
+            # none large enough grow it (page_heap.py, §5.4).
+            comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
+                                                    bd.largest_trainable)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit

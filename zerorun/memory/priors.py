@@ -56,12 +56,6 @@ class Calibration:
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
-    page_heap_retention: float = 0.15
-    """CPU ranks on a preloaded allocator (tcmalloc: the default; jemalloc, mimalloc): resident bytes its page heap
-    keeps beyond live tensors, per byte the allocator holds at the peak. Freed blocks above 1 MiB are kept for
-    reuse rather than unmapped, and the step's differently sized transients (logits, gathered ZeRO-3 layers,
-    offload staging) leave free spans the peak cannot use. Measured on tcmalloc (dev set, 3-10 steps: the
-    heap plateaus after step 2): -3% (MiniLM) to +31% (tiny models, bf16), median 15% (§5.4)."""
     runtime_overheads: Tuple[Tuple[str, int], ...] = ()
     """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of each kind of
     run (zerorun/process_probe.py), by runtime_overhead_key; replaces both priors for that kind. It moved by
@@ -84,7 +78,7 @@ DEFAULT_CALIBRATION = Calibration()
 RUNTIME_TERM = "allocator and runtime overhead"
 """The CPU-rank term a micro rank measures (process_probe.py), or the two priors above."""
 PAGE_HEAP_TERM = "page heap (preloaded allocator)"
-"""The CPU-rank term of tcmalloc, jemalloc or mimalloc: free spans kept resident (Calibration.page_heap_retention)."""
+"""The CPU-rank term of tcmalloc, jemalloc or mimalloc: free spans kept resident (memory/page_heap.py)."""
 OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", RUNTIME_TERM,
              "heap retention", PAGE_HEAP_TERM, "measured correction (this machine)")
 
