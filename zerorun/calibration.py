@@ -35,10 +35,11 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
-RANK_RUNTIME = 3
-"""Bumped when zerorun's own rank code changes what a rank holds, which package versions do not show in an
-editable install: measurements made before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's
-gelu_new runs fused: its GeLU saves one MLP-wide tensor, not four)."""
+RANK_RUNTIME = 4
+"""Bumped when zerorun's own rank code changes what a rank holds, or what the estimate counts of a micro rank
+(its runtime overhead is the rest), which package versions do not show in an editable install: measurements made
+before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's gelu_new runs fused: its GeLU saves
+one MLP-wide tensor, not four; 4: a preloaded allocator's page heap from its blocks, memory/page_heap.py)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)
