@@ -28,14 +28,17 @@ ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 FLAT_STEP_ITEMS = {"optimizer step": "optimizer-step transient", "all-reduce": "all-reduce flatten buffer"}
 
 
-def largest_activation_block(cfg: RunConfig, plan: Plan, act: Activations) -> int:
+def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_trainable: int) -> int:
     """The largest single block the forward and backward free before the step: an fp32 b·s·V logits block, an
-    MLP-wide activation, or (attention on CPU's math path) an fp32 a·s² score block."""
+    MLP-wide activation, (attention on CPU's math path) an fp32 a·s² score block, or the gradient of the largest
+    parameter, which ZeRO frees once it is in a bucket or the partition (MiniLM's word embeddings' 47 MB hold its
+    45 MB partition on 2 ranks)."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
+    e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     logits = act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
-    mlp = b * s * m.intermediate_size * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    mlp = b * s * m.intermediate_size * e
     scores = b * m.num_heads * s * s * 4 if act.kernel in ("sdpa-math", "eager") else 0
-    return max(logits, mlp, scores)
+    return max(logits, mlp, scores, largest_trainable * e)
 
 
 def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: int) -> int:
@@ -53,7 +56,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     phase and one more fp32 logits block."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
-    freed = largest_activation_block(cfg, plan, act)
+    freed = largest_freed_block(cfg, plan, act, largest_trainable)
     flat = 0
     if step_block(cfg, plan, partition, largest_trainable) > freed:
         flat = phases.get("optimizer step", {}).get(FLAT_STEP_ITEMS["optimizer step"], 0)
