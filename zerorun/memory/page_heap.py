@@ -25,7 +25,8 @@ from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
 from .states import DS_SUB_GROUP_SIZE
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
-FLAT_STEP_ITEMS = {"optimizer step": "optimizer-step transient", "all-reduce": "all-reduce flatten buffer"}
+STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): estimate.py's step_phases names
+ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
 
 
 def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_trainable: int) -> int:
@@ -52,16 +53,14 @@ def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: in
 def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
                     alloc_peak: int, partition: int, largest_trainable: int) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
-    phases' peak and, where they do not fit in a freed activation block, the step's flat blocks; or the loss
+    phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss
     phase and one more fp32 logits block."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = largest_freed_block(cfg, plan, act, largest_trainable)
-    flat = 0
-    if step_block(cfg, plan, partition, largest_trainable) > freed:
-        flat = phases.get("optimizer step", {}).get(FLAT_STEP_ITEMS["optimizer step"], 0)
-    all_reduce = phases.get("all-reduce", {}).get(FLAT_STEP_ITEMS["all-reduce"], 0)
-    flat = max(flat, all_reduce if all_reduce > freed else 0)
+    step, all_reduce = (phases.get(phase, {}).get(item, 0) for phase, item in (STEP_TRANSIENT, ALL_REDUCE_BUFFER))
+    flat = max(step if step_block(cfg, plan, partition, largest_trainable) > freed else 0,
+               all_reduce if all_reduce > freed else 0)
     logits_block = act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
     at_loss = live.get("loss", 0) + logits_block if logits_block else 0
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak)
