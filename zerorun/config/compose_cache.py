@@ -93,7 +93,8 @@ def store(entry_key: str, cfg: RunConfig, files: Sequence[str]) -> None:
         return
 
 
-def cached(overrides: Sequence[str], compose: Callable[[Sequence[str], List[str]], RunConfig]) -> RunConfig:
+def cached(overrides: Sequence[str],
+           compose: Callable[[Sequence[str], List[Optional[str]]], RunConfig]) -> RunConfig:
     """``compose(overrides, files_read)`` once per key: it appends the local files it read to ``files_read`` and
     None for a read the cache cannot stamp (the hub)."""
     if not cacheable(overrides):
@@ -102,7 +103,7 @@ def cached(overrides: Sequence[str], compose: Callable[[Sequence[str], List[str]
     hit = load(entry_key)
     if hit is not None:
         return hit
-    files: List[str] = []
+    files: List[Optional[str]] = []
     cfg = compose(overrides, files)
     if all(files):
         store(entry_key, cfg, files)

@@ -29,6 +29,11 @@ STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item)
 ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
 
 
+def fp32_logits_block(act: Activations) -> int:
+    """One fp32 b·s·V block of the loss (LOSS_BYTES_PER_LOGIT counts three of them per logit)."""
+    return act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
+
+
 def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_trainable: int) -> int:
     """The largest single block the forward and backward free before the step: an fp32 b·s·V logits block, an
     MLP-wide activation, (attention on CPU's math path) an fp32 a·s² score block, or the gradient of the largest
@@ -36,10 +41,9 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
     45 MB partition on 2 ranks)."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
-    logits = act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
     mlp = b * s * m.intermediate_size * e
     scores = b * m.num_heads * s * s * 4 if act.kernel in ("sdpa-math", "eager") else 0
-    return max(logits, mlp, scores, largest_trainable * e)
+    return max(fp32_logits_block(act), mlp, scores, largest_trainable * e)
 
 
 def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: int) -> int:
@@ -61,6 +65,6 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     step, all_reduce = (phases.get(phase, {}).get(item, 0) for phase, item in (STEP_TRANSIENT, ALL_REDUCE_BUFFER))
     flat = max(step if step_block(cfg, plan, partition, largest_trainable) > freed else 0,
                all_reduce if all_reduce > freed else 0)
-    logits_block = act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
+    logits_block = fp32_logits_block(act)
     at_loss = live.get("loss", 0) + logits_block if logits_block else 0
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak)
