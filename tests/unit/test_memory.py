@@ -134,12 +134,14 @@ def test_offload_moves_optimizer_to_host():
     assert dev.phases["optimizer step"]["optimizer states"] == 8 * part
     assert "optimizer states" not in off.phases["optimizer step"]
     assert "fp32 master copies" not in off.phases["optimizer step"]
+    pinned = M.states.pinned_resident  # GPU ranks: DeepSpeed page-locks the master (power-of-two blocks)
     assert off.host_components["optimizer states (host)"] == 8 * part
-    assert off.host_components["fp32 master copies (host)"] == 4 * part
+    assert off.host_components["fp32 master copies (host)"] == pinned(4 * part)
     assert off.per_rank_peak_bytes < dev.per_rank_peak_bytes
     # ZeRO-3 parameter offload moves the 16-bit partition too; NVMe puts the fp32 states on disk.
     z3 = est("+model=gpt2-large", "zero=stage3", "precision=bf16", "offload=cpu")
-    assert z3.host_components["parameters (host)"] == 2 * part and "parameters" not in z3.phases["optimizer step"]
+    assert z3.host_components["parameters (host)"] == pinned(2 * part)
+    assert "parameters" not in z3.phases["optimizer step"]
     nvme = est("+model=gpt2-large", "zero=stage3", "precision=bf16", "offload=nvme")
     # The 16-bit partitions of at least one AIO block (1 MiB) go to NVMe; the small ones (LayerNorms, biases)
     # stay in host memory beside the page-locked swap buffers (5 × 1e8 elements of bf16 here).
@@ -152,6 +154,51 @@ def test_offload_moves_optimizer_to_host():
     # states kept on the host (offload=cpu) DeepSpeedCPUAdam steps in place.
     assert nvme.host_components["optimizer-step transient (host)"] == 8 * part
     assert "optimizer-step transient (host)" not in z3.host_components
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4095, 4096, 4097, 123_456_789, 2**31 + 1])
+def test_pinned_blocks_are_the_next_power_of_two(n):
+    got = M.states.pinned_resident(n)
+    assert got >= n and got & (got - 1) == 0 and got < 2 * n
+
+
+def test_pinned_host_buffers_of_gpu_ranks():
+    """What DeepSpeed page-locks on a GPU rank is counted in PyTorch's power-of-two host blocks; Adam's states
+    (not pinned), CPU ranks (no page-locking) and offload.pin_memory=false are counted as they are."""
+    base = ("+model=gpt2", "zero=stage2", "precision=bf16", "offload=cpu", "launcher.nproc_per_node=1")
+    gpu = M.estimate(composed(*base), make_plan(composed(*base), World(1, 1, "cuda")), A100_8)
+    plain = M.estimate(composed(*base, "offload.pin_memory=false"),
+                       make_plan(composed(*base, "offload.pin_memory=false"), World(1, 1, "cuda")), A100_8)
+    cpu = M.estimate(composed(*base), make_plan(composed(*base), World(1, 1, "cpu")), CPU_HOST)
+    P = M.count_params(model_file("gpt2"))
+    for name, exact in (("fp32 master copies (host)", 4 * P), ("fp32 gradients (host)", 4 * P),
+                        ("16-bit param staging (host)", 2 * P)):
+        assert gpu.host_components[name] == M.states.pinned_resident(exact) > exact, name
+        assert plain.host_components[name] == exact, name
+    assert gpu.host_components["optimizer states (host)"] == plain.host_components["optimizer states (host)"] == 8 * P
+    assert cpu.host_components["fp32 master copies (host)"] == 4 * P
+    # measured on an H200 (benchmarks/results/gpu/h200-2026-11-27): this run's VmHWM was 4,449 MiB
+    assert 4_300 < gpu.host_bytes_per_node / 2**20 < 4_449 < plain.host_bytes_per_node / 2**20 + 250
+
+
+def test_zero3_step_converts_on_the_host_of_a_gpu_rank():
+    """ZeRO-3 with the optimizer offloaded and the parameters on the GPU copies each stepped fp32 sub-group
+    into the 16-bit partition with one copy_, which converts on the host first: a transient of the sub-group
+    in 16 bits (with the parameters offloaded too the copy stays on the host and converts in place)."""
+    world = World(1, 1, "cuda")
+    plan = lambda c: make_plan(c, world)  # noqa: E731
+    opt_only = composed("+model=gpt2", "zero=stage3", "precision=bf16", "offload=cpu", "offload.params=false",
+                        "launcher.nproc_per_node=1")
+    both = composed("+model=gpt2", "zero=stage3", "precision=bf16", "offload=cpu", "launcher.nproc_per_node=1")
+    fp32 = composed("+model=gpt2", "zero=stage3", "precision=fp32", "offload=cpu", "offload.params=false",
+                    "launcher.nproc_per_node=1")
+    P = M.count_params(model_file("gpt2"))
+    assert M.estimate(opt_only, plan(opt_only), A100_8).host_components["optimizer-step transient (host)"] == 2 * P
+    for c in (both, fp32):
+        assert "optimizer-step transient (host)" not in M.estimate(c, plan(c), A100_8).host_components
+    # the page-locked 16-bit partitions zero.Init makes before they move into the flat buffer stay cached
+    cached = M.estimate(both, plan(both), A100_8).host_components[M.states.PINNED_CACHE]
+    assert 2 * P < cached < 4 * P
 
 
 def test_peak_is_max_over_phases_not_a_sum():

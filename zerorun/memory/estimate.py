@@ -372,7 +372,8 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     else:
         # build_model() makes fp32 weights on the host on every rank before DeepSpeed takes them
         host_init = built_params * 4 + bd.buffer_bytes
-        host_node = (max(sum(host_steady.values()), host_init) + cal.cuda_process_host_bytes) * world.nproc_per_node
+        host_node = (max(sum(host_steady.values()) + host_step, host_init) + cal.cuda_process_host_bytes) \
+            * world.nproc_per_node
     host_cap = hw.host_usable_bytes
     widths = term_widths(comps, accelerator=world.accelerator, process_measured=cal.process_measured,
                          mmap_threshold=small_block_threshold(cfg.launcher, world.accelerator),

@@ -51,6 +51,24 @@ NVME_OPTIMIZER_BUFFERS = 4
 """NVMe optimizer swap: ``buffer_count`` pinned fp32 buffers of the largest sub-group
 (offload_config.py default 4; optimizer_utils.py SwapBufferManager)."""
 
+def trainable_tensors(bd: ParamBreakdown) -> Tuple[int, ...]:
+    """The element counts of the tensors that get gradients: every one, or LoRA's adapters and a trained head."""
+    if not bd.lora:
+        return bd.tensors()
+    return (*bd.adapter_tensors * bd.num_layers, *bd.trainable_head)
+
+
+def pinned_resident(nbytes: float) -> int:
+    """Host RAM a page-locked buffer of ``nbytes`` holds on a GPU rank: PyTorch's CUDA host allocator
+    (ATen/core/CachingHostAllocator.h ``allocate``) rounds every block up to the next power of two (its default
+    ``pinned_max_round_threshold`` is unlimited), and page-locked memory is resident in full. A freed block stays
+    in the allocator's cache for reuse, never returned to the system (measured on an H200, docs/memory.md §8.5)."""
+    n = int(math.ceil(nbytes))
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+PINNED_CACHE = "pinned partitions, freed to the host cache"
+
 STATE_NAMES = ("parameters", "persistent parameters", "gradients", "fp32 master copies", "optimizer states")
 """The device entries that are model states (ZeRO §2.1); the rest of a phase is buffers and activations."""
 
@@ -114,9 +132,15 @@ def host_step_bytes(cfg: RunConfig, plan: Plan, tensor: int) -> int:
     step's steady state inside ``cpu_adam.step``, = Adam's two fp32 states of its 124M-element partition)."""
     nvme = plan.offload_optimizer and cfg.zero.stage == 3 and OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
     first_states = optimizer_state_bytes(cfg, plan, tensor) if nvme else 0
+    # ZeRO-3 on a GPU writes the stepped fp32 sub-group into the device's 16-bit partition with one ``copy_``
+    # (stage3.py ``_reassign_or_swap_out_partitioned_parameters``); a host-to-device copy that changes dtype
+    # converts on the host first (ATen/native/cuda/Copy.cu ``copy_kernel_cuda``: ``src.to(dst.dtype)``).
+    to_device = plan.world.accelerator == "cuda" and cfg.zero.stage == 3 and not plan.offload_params
+    dtype = Dtype(cfg.precision.dtype)
+    convert = tensor * DTYPE_BYTES[dtype] if to_device and dtype != Dtype.fp32 else 0
     if plan.optimizer == OptimizerImpl.bnb_adamw8bit:
-        return first_states + BNB_CPU_STEP_BYTES * tensor
-    return first_states + (4 * tensor if plan.optimizer == OptimizerImpl.torch_sgd else 0)
+        return first_states + convert + BNB_CPU_STEP_BYTES * tensor
+    return first_states + convert + (4 * tensor if plan.optimizer == OptimizerImpl.torch_sgd else 0)
 
 
 def param_swap_element_bytes(dtype: Dtype, fp16_supported: bool) -> int:
@@ -140,6 +164,9 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
     off = OffloadDevice(cfg.offload.device)
     off_opt, off_param = plan.offload_optimizer, plan.offload_params
     part, tpart = math.ceil(P / N), math.ceil(T / N)
+    # What DeepSpeed page-locks (offload.pin_memory) on a GPU rank is resident in power-of-two blocks
+    pinning = cfg.offload.pin_memory and plan.world.accelerator == "cuda"
+    pin = pinned_resident if pinning else (lambda n: n)
     dev: List[Tuple[str, float]] = []
     host: List[Tuple[str, float]] = []  # per rank
     nvme = 0
@@ -151,13 +178,19 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         persistent = bd.persistent(plan.buckets.stage3_param_persistence_threshold)
         # stage3.py: partitioned 16-bit flat buffer (on host with offload_param) + persistent params whole
         if off_param:
-            host.append(("parameters (host)", part * p))
+            host.append(("parameters (host)", pin(part * p)))  # the flat buffer (stage3.py, pinned)
+            # partition_parameters.py pins each partition as zero.Init's partitioning makes it; stage3.py then
+            # moves them into the flat buffer, and the freed blocks stay in the host allocator's cache.
+            threshold = plan.buckets.stage3_param_persistence_threshold
+            cached = sum(pin(math.ceil(t / N) * p) for t in bd.tensors() if t > threshold) if pinning else 0
+            host.append((PINNED_CACHE, cached))
         else:
             dev.append(("parameters", part * p))
         dev.append(("persistent parameters", persistent * p))
     dev.append(("buffers", bd.buffer_bytes))
 
-    states = [("fp32 master copies", tpart * MASTER_BYTES), ("optimizer states", optimizer_state_bytes(cfg, plan, tpart))]
+    states = [("fp32 master copies", tpart * MASTER_BYTES),
+              ("optimizer states", optimizer_state_bytes(cfg, plan, tpart))]
     if stage == 0 and dtype == Dtype.bf16 and plan.pipeline:
         # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
         # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
@@ -180,13 +213,15 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         elif not off_opt:
             dev.append(("gradients", tpart * g))  # grads_in_partition (``copy_grads_in_partition``)
         if off_opt:
-            # Offload: pinned fp32 master + fp32 grad partition + 16-bit staging; CPU Adam states.
-            host += [(k + " (host)", v) for k, v in states]
-            host.append(("fp32 gradients (host)", tpart * 4))
-            host.append(("16-bit param staging (host)", tpart * p))
-            host.append(("grad staging buffer (host)", bd.largest_trainable * g))
-            if plan.grad_accum_steps > 1:
-                host.append(("accumulated gradients (host)", tpart * g))
+            # Offload: pinned fp32 master + fp32 grad partition + 16-bit staging; CPU Adam states (not pinned).
+            host += [("fp32 master copies (host)", pin(tpart * MASTER_BYTES)),
+                     ("optimizer states (host)", optimizer_state_bytes(cfg, plan, tpart))]
+            host.append(("fp32 gradients (host)", pin(tpart * 4)))
+            host.append(("16-bit param staging (host)", pin(tpart * p)))
+            host.append(("grad staging buffer (host)", pin(bd.largest_trainable * g)))
+            if plan.grad_accum_steps > 1:  # one pinned buffer per parameter (``buffer_to_accumulate_to_in_cpu``)
+                accumulated = sum(pin(t * g) for t in trainable_tensors(bd)) / N if pinning else tpart * g
+                host.append(("accumulated gradients (host)", accumulated))
             dev.append(("offload staging buffer", bd.largest_trainable * g))  # temp_grad_buffer_for_gpu_offload
         else:
             dev += states
@@ -195,7 +230,11 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         if off_opt:
             # With offload the fp32 grad of each sub-group is a persistent pinned buffer
             # (stage3.py initialize_optimizer_states: subgroup_gradient_buffer); without, a step transient.
-            host += [(k + " (host)", v) for k, v in grad_buf + [("fp32 gradient buffer", tpart * 4)] + states]
+            # pinned: the 16-bit grad partitions' flat buffer and each sub-group's fp32 grad; not: master, states
+            subs = [min(DS_SUB_GROUP_SIZE, tpart - i) for i in range(0, tpart, DS_SUB_GROUP_SIZE)]
+            host += [("gradients (host)", pin(tpart * g)),
+                     ("fp32 gradient buffer (host)", sum(pin(n * 4) for n in subs))]
+            host += [(k + " (host)", v) for k, v in states]
             if off == OffloadDevice.nvme:
                 # ZeRO-Infinity: fp32 param + m + v (+ grads) swap out; pinned swap buffers stay on host.
                 nvme += tpart * (MASTER_BYTES + ADAM_STATE_BYTES + 4)
@@ -212,7 +251,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
             threshold = plan.buckets.stage3_param_persistence_threshold
             swapped = [n for n in (math.ceil(t / N) for t in bd.tensors() if t > threshold) if n * p >= MIN_AIO_BYTES]
             nvme += sum(swapped) * p
-            host = [(k, v) for k, v in host if k != "parameters (host)"]
+            host = [(k, v) for k, v in host if k not in ("parameters (host)", PINNED_CACHE)]
             host.append(("parameters (host)", max(0, part - sum(swapped)) * p))
             count, size = NVME_PARAM_BUFFERS
             host.append(("NVMe param swap buffers (host)", count * size * swap_element_bytes))
