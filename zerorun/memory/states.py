@@ -179,7 +179,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         # stage3.py: partitioned 16-bit flat buffer (on host with offload_param) + persistent params whole
         if off_param:
             host.append(("parameters (host)", pin(part * p)))  # the flat buffer (stage3.py, pinned)
-            # partition_parameters.py pins each partition as zero.Init's partitioning makes it; stage3.py then
+            # partition_parameters.py pins each partition as DeepSpeed partitions the module; stage3.py then
             # moves them into the flat buffer, and the freed blocks stay in the host allocator's cache.
             threshold = plan.buckets.stage3_param_persistence_threshold
             cached = sum(pin(math.ceil(t / N) * p) for t in bd.tensors() if t > threshold) if pinning else 0
