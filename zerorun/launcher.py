@@ -64,7 +64,8 @@ def extensions_dir() -> str:
     Python environment. torch's default, ~/.cache/torch_extensions, is keyed by op name only, so two venvs on
     one machine (other include paths) rebuild each other's ops, minutes each time. `make ops` (zerorun.prebuild)
     builds into it once; ranks, calibration probes and the memory harness all load from it. A
-    TORCH_EXTENSIONS_DIR already set (docker/Dockerfile) wins."""
+    TORCH_EXTENSIONS_DIR already set (docker/Dockerfile) wins. Not under $ZERORUN_CACHE (cachedir.py): the ops
+    belong to the environment, not to a cache that tests and users point at fresh directories (minutes each)."""
     import hashlib
 
     key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]

@@ -109,8 +109,9 @@ def kinds_of(model_type: str) -> Tuple[bool, bool]:
 
 # ---------------------------------------------------------------- cache
 def _cache_dir() -> str:
-    root = os.environ.get("ZERORUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerorun")
-    return os.path.join(root, "traces")
+    from ..cachedir import cache_root
+
+    return os.path.join(cache_root(), "traces")
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,6 +16,7 @@ import pickle
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from ..cachedir import cache_root
 from .schema import RunConfig
 
 Stamp = Tuple[str, int, int]  # (path, size, mtime_ns)
@@ -23,8 +24,7 @@ VERSION = 1  # bump when the entry's layout changes
 
 
 def cache_dir() -> str:
-    root = os.environ.get("ZERORUN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zerorun")
-    return os.path.join(root, "compose")
+    return os.path.join(cache_root(), "compose")
 
 
 def stamp(path: str) -> Optional[Stamp]:

@@ -13,6 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional
 
+from ..cachedir import CACHE_ENV
 from .errors import UserError
 from .fields import PathKind, leaves
 from .schema import OffloadDevice, RunConfig
@@ -26,8 +27,6 @@ FIXES = {
     PathKind.resume: "trainer.resume_from=<a run dir or checkpoint dir of an earlier run>, or drop it to start over.",
     PathKind.source: "a local directory with the files, or a hub name (owner/name) when online.",
 }
-CACHE_ENV = "ZERORUN_CACHE"
-"""The environment variable naming zerorun's cache when data.cache_dir is empty (data/prepare.py cache_root)."""
 KEY_FIXES = {"offload.nvme_path": "point it at a directory on a local NVMe disk you can write to.",
              "data.tokenizer": "point data.tokenizer at a directory a tokenizer was saved to (save_pretrained), a hub "
                                "name when online, or data.tokenizer=auto (a byte-level BPE sized to the model's "

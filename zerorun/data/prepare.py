@@ -19,7 +19,8 @@ from typing import List, Optional
 import numpy as np
 
 from ..config import DataConfig, DataError, ModelConfig, TaskName
-from ..config.paths import CACHE_ENV, expand, has_tokenizer
+from ..cachedir import cache_root as default_cache_root
+from ..config.paths import expand, has_tokenizer
 from ..config.rules import BUILTIN_DATASETS
 from ..manifest import manifest, mismatch, write_durably
 from ..models import resolve_pkg_path
@@ -143,8 +144,7 @@ larger ones by size only."""
 
 
 def cache_root(data: DataConfig) -> Path:
-    root = data.cache_dir or os.environ.get(CACHE_ENV) or os.path.join("~", ".cache", "zerorun")
-    return Path(expand(root))
+    return Path(expand(data.cache_dir or default_cache_root()))
 
 
 def builtin_name(data: DataConfig, task: str) -> str:
