@@ -27,6 +27,7 @@ def cases(files: List[str]) -> List[Dict]:
     from zerorun.config import compose, make_plan, plan_world
     from zerorun.hardware import detect
     from zerorun.memory import estimate
+    from zerorun.memory.priors import OVERHEADS
 
     hw, out = detect(), []
     for r in (json.loads(line) for f in files for line in open(f)):
@@ -45,11 +46,13 @@ def cases(files: List[str]) -> List[Dict]:
         est = estimate(cfg, plan, hw, cal=cal)
         if est.stages:  # pipeline stages: one rank's phases are a stage's
             continue
-        point, _ = R.rank_figures(est.to_json(), r["rank"])
+        point, bound = R.rank_figures(est.to_json(), r["rank"])
         out.append(dict(measured=r["measured"], base=point - est.components.get(PAGE, 0), shipped=point,
                         phases={k: dict(v) for k, v in est.phases.items()}, stage=cfg.zero.stage,
                         offload=plan.offload_optimizer, config=r["config"], optimizer=cfg.optimizer.name.value,
-                        pipeline=bool(plan.pipeline), alloc_peak=peak({"phases": est.phases})))
+                        pipeline=bool(plan.pipeline), alloc_peak=peak({"phases": est.phases}),
+                        counted=sum(v for k, v in est.components.items() if k not in OVERHEADS),
+                        bound=bound, widths=dict(est.bound_widths)))
     return out
 
 

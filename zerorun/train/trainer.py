@@ -232,20 +232,9 @@ class Trainer:
         # Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively, pipeline
         # stages exchange activations); a rank with no rows left runs row 0 with weight 0.
         n_batches = math.ceil(math.ceil(len(self.val_data) / dp_world) / mb)
-        counts = self.strategy.holds_outputs
         with torch.no_grad():
             for b in range(n_batches):
-                idx = mine[b * mb:(b + 1) * mb]
-                batch = self.batch(self.val_data, idx or [0])
-                loss, logits = self.strategy.forward(batch)
-                if not idx or not counts:
-                    continue
-                total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64,
-                                      device=self.device)
-                if classify:
-                    pred = logits.argmax(-1)
-                    confusion.index_put_((batch["labels"], pred), torch.ones_like(pred, dtype=torch.float64),
-                                         accumulate=True)
+                self._eval_batch(mine[b * mb:(b + 1) * mb], total, confusion if classify else None)
         self.dist.all_reduce(total)
         self.engine.train()
         val_loss = (total[0] / total[1]).item()
@@ -253,6 +242,19 @@ class Trainer:
             return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
         self.dist.all_reduce(confusion)
         return {"val_loss": val_loss, **classification_metrics(confusion.cpu().numpy())}
+
+    def _eval_batch(self, idx: List[int], total, confusion) -> None:
+        """One validation batch into ``total`` (and ``confusion``), in a function of its own so that its outputs are
+        freed when it returns: a loop variable would hold this batch's logits (b·s·V) through the next forward."""
+        torch = self.torch
+        batch = self.batch(self.val_data, idx or [0])
+        loss, logits = self.strategy.forward(batch)
+        if not idx or not self.strategy.holds_outputs:
+            return
+        total += torch.tensor([loss.double().item() * len(idx), len(idx)], dtype=torch.float64, device=self.device)
+        if confusion is not None:
+            pred = logits.argmax(-1)
+            confusion.index_put_((batch["labels"], pred), torch.ones_like(pred, dtype=torch.float64), accumulate=True)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> str:
