@@ -51,6 +51,7 @@ NVME_OPTIMIZER_BUFFERS = 4
 """NVMe optimizer swap: ``buffer_count`` pinned fp32 buffers of the largest sub-group
 (offload_config.py default 4; optimizer_utils.py SwapBufferManager)."""
 
+
 def trainable_tensors(bd: ParamBreakdown) -> Tuple[int, ...]:
     """The element counts of the tensors that get gradients: every one, or LoRA's adapters and a trained head."""
     if not bd.lora:
@@ -62,12 +63,13 @@ def pinned_resident(nbytes: float) -> int:
     """Host RAM a page-locked buffer of ``nbytes`` holds on a GPU rank: PyTorch's CUDA host allocator
     (ATen/core/CachingHostAllocator.h ``allocate``) rounds every block up to the next power of two (its default
     ``pinned_max_round_threshold`` is unlimited), and page-locked memory is resident in full. A freed block stays
-    in the allocator's cache for reuse, never returned to the system (measured on an H200, docs/memory.md §8.5)."""
+    in the allocator's cache for reuse, never returned to the system (measured on an H200, docs/memory.md §8.6)."""
     n = int(math.ceil(nbytes))
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 PINNED_CACHE = "pinned partitions, freed to the host cache"
+"""ZeRO-3 parameter offload on a GPU rank: the partitions pinned one by one before they moved to the flat buffer."""
 
 STATE_NAMES = ("parameters", "persistent parameters", "gradients", "fp32 master copies", "optimizer states")
 """The device entries that are model states (ZeRO §2.1); the rest of a phase is buffers and activations."""
