@@ -4,9 +4,11 @@ directories. The only module that looks at the machine; ``resolve_hardware`` mer
 from __future__ import annotations
 
 import ctypes.util
+import errno
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
@@ -248,9 +250,18 @@ def writable_dir_problem(path: str) -> Optional[str]:
 
     Found by trying: create the missing directories, write and delete a file, then remove the
     directories this made. Permission bits alone say nothing about /proc, read-only mounts or a
-    path under a regular file.
+    path under a regular file. Tried again when the directory vanished under the write: the nodes of a job
+    probe the same shared run directory at once, and one's clean-up can remove what the other just made.
     """
-    target = os.path.abspath(path)
+    for _ in range(10):
+        why = _write_probe(os.path.abspath(path))
+        if why != "vanished":
+            return why
+        time.sleep(0.05)
+    return os.strerror(errno.ENOENT)
+
+
+def _write_probe(target: str) -> Optional[str]:
     created = []
     p = target
     while not os.path.exists(p):
@@ -263,6 +274,8 @@ def writable_dir_problem(path: str) -> Optional[str]:
             f.write("x")
         os.remove(probe)
         return None
+    except FileNotFoundError:  # made a moment ago, so something removed it: another node's probe
+        return "vanished"
     except OSError as e:
         return e.strerror or type(e).__name__
     finally:
