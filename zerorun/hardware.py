@@ -255,10 +255,14 @@ def writable_dir_problem(path: str) -> Optional[str]:
     """
     for _ in range(10):
         why = _write_probe(os.path.abspath(path))
-        if why != "vanished":
+        if why is not _VANISHED:
             return why
         time.sleep(0.05)
     return os.strerror(errno.ENOENT)
+
+
+_VANISHED = "vanished"
+"""_write_probe's answer when the directory it had just made was gone before the write."""
 
 
 def _write_probe(target: str) -> Optional[str]:
@@ -275,7 +279,7 @@ def _write_probe(target: str) -> Optional[str]:
         os.remove(probe)
         return None
     except FileNotFoundError:  # made a moment ago, so something removed it: another node's probe
-        return "vanished"
+        return _VANISHED
     except OSError as e:
         return e.strerror or type(e).__name__
     finally:

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rss_validation as R  # noqa: E402
+from zerorun.memory.page_heap import logits_spans_taken  # noqa: E402
 
 PAGE = "page heap (preloaded allocator)"
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
@@ -86,20 +87,8 @@ def lazy_state_blocks(c: Dict) -> List[int]:
 
 
 def spans_taken(c: Dict) -> int:
-    """How many of the loss's freed fp32 logits spans the lazily created state blocks take (best fit, in order)."""
-    block = logits_block(c)
-    spans = [block] * 3
-    taken = 0
-    for b in lazy_state_blocks(c):
-        fits = [s for s in spans if s >= b]
-        if not fits:
-            continue
-        best = min(fits)
-        spans.remove(best)
-        if best == block:
-            taken += 1
-        spans.append(best - b)
-    return taken
+    """How many of the loss's freed fp32 logits spans the lazily created state blocks take (page_heap.py's rule)."""
+    return logits_spans_taken(logits_block(c), lazy_state_blocks(c))
 
 
 def loss_rule(c: Dict, extra: Callable[[int], int]) -> int:
@@ -108,31 +97,13 @@ def loss_rule(c: Dict, extra: Callable[[int], int]) -> int:
     live = {k: sum(v.values()) for k, v in ph.items()}
     shipped = c["shipped"] - c["base"]
     block = logits_block(c)
-    at_loss_old = live.get("loss", 0) + block - c["alloc_peak"] if block else 0
-    at_loss_new = live.get("loss", 0) + extra(spans_taken(c)) * block - c["alloc_peak"] if block else 0
     k = extra(spans_taken(c))
+    at_loss_old = live.get("loss", 0) + block - c["alloc_peak"] if block else 0
+    at_loss_new = live.get("loss", 0) + k * block - c["alloc_peak"] if block else 0
     if k >= 1:  # the loss branch only grows
         return max(shipped, at_loss_new, 0)
     other = 0 if shipped > 0 and shipped == max(0, at_loss_old) else shipped  # (approximate: the other branch unknown)
     return max(other, at_loss_new, 0)
-
-
-def startup_rule(c: Dict) -> int:
-    """A candidate not shipped: ZeRO-1/2's start-up heap (the built fp32 model, the 16-bit cast and flat copy, the
-    fp32 master and a transient of its size: what the sampled -19% rank's heap reached), then the step's flat
-    transient and the lazily created states above it (each a fresh block: the forward split the freed spans)."""
-    shipped = c["shipped"] - c["base"]
-    if c["stage"] not in (1, 2) or c["pipeline"]:
-        return shipped
-    ph = c["phases"]
-    P = ph.get("init", {}).get("fp32 model as built", 0) // 4
-    step = ph.get("optimizer step", {})
-    master = sum(v for k, v in step.items() if k.startswith("fp32 master copies"))
-    mixed = ph.get("loss", {}).get("parameters", 0) < 3 * P  # a 16-bit module
-    startup = 4 * P + (4 * P if mixed else 4 * P) + 2 * master
-    lazy = sum(lazy_state_blocks(c))
-    flat = step.get("optimizer-step transient", 0)
-    return max(shipped, startup + flat + lazy - c["alloc_peak"])
 
 
 def score(cs: List[Dict], term: Callable[[Dict], int]) -> str:
@@ -146,13 +117,13 @@ def main(files: List[str]) -> None:
     cs = cases(files)
     print("shipped (page_heap.py)     ", score(cs, lambda c: c["shipped"] - c["base"]))
     print("15% of the peak (before)   ", score(cs, lambda c: int(0.15 * peak(c))))
-    print("start-up heap (candidate)  ", score(cs, startup_rule))
-    print("loss: max(1, spans taken)  ", score(cs, lambda c: loss_rule(c, lambda k: max(1, k))))
+    print("loss: max(1, spans taken)  ", score(cs, lambda c: loss_rule(c, lambda k: max(1, k))))  # shipped
     print("loss: 1 + spans taken      ", score(cs, lambda c: loss_rule(c, lambda k: 1 + k)))
     print("loss: spans taken          ", score(cs, lambda c: loss_rule(c, lambda k: k)))
     for c in cs:
-        if spans_taken(c):
-            print(f"   {spans_taken(c)} taken: {c['config'][:90]} measured {c['measured'] / 2**20:.0f} shipped "
+        taken = spans_taken(c)
+        if taken:
+            print(f"   {taken} taken: {c['config'][:90]} measured {c['measured'] / 2**20:.0f} shipped "
                   f"{c['shipped'] / 2**20:.0f} max(1,k) {(c['base'] + loss_rule(c, lambda k: max(1, k))) / 2**20:.0f}")
     for fraction in (0.0, 0.03, 0.05):
         print(f"flat + {fraction:.2f} of the peak    ", score(cs, lambda c: flat(c, fraction)))

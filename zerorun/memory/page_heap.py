@@ -32,7 +32,7 @@ from typing import List, Mapping
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
-from .states import DS_SUB_GROUP_SIZE
+from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): estimate.py's step_phases names
@@ -70,11 +70,9 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     AdamW8bit create their states lazily). ZeRO-3 creates them at start-up (stage3.py), before any loss."""
     if cfg.zero.stage not in (1, 2) or plan.pipeline:
         return []
-    if plan.optimizer == OptimizerImpl.torch_sgd:
-        return [4 * partition] if cfg.optimizer.momentum else []
-    if plan.optimizer == OptimizerImpl.bnb_adamw8bit:
-        return [partition] * 2  # 1 byte per element per state
-    return [4 * partition] * 2
+    total = optimizer_state_bytes(cfg, plan, partition)  # SGD: one momentum buffer (or none); the others: two
+    n = 1 if plan.optimizer == OptimizerImpl.torch_sgd else 2
+    return [total // n] * n if total else []
 
 
 def logits_spans_taken(block: int, state_blocks: List[int]) -> int:
@@ -107,8 +105,9 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     lazy = lazy_state_blocks(cfg, plan, partition)
     grown = max(1, logits_spans_taken(logits_block, lazy))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
-    after_startup = startup_heap(cfg, plan, phases, partition) + flat + sum(b for b in lazy if b > freed) if lazy \
-        else 0
+    after_startup = 0
+    if lazy:  # ZeRO-1/2: the step's blocks larger than any freed one on top of the start-up's heap
+        after_startup = startup_heap(cfg, plan, phases, partition) + flat + sum(b for b in lazy if b > freed)
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
