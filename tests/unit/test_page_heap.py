@@ -84,6 +84,23 @@ def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     assert e3.components[PAGE_HEAP_TERM] < 1_500 * MIB
 
 
+def test_a_pipeline_stage_of_the_embeddings_alone_frees_no_layer_blocks():
+    # Held-out set 1795790665: MiniLM, 2-stage pipeline, ZeRO-1 fp32, micro 7 x 384. Stage 0 holds the embeddings
+    # alone (a 45 MiB partition), yet the term took MiniLM's 47 MB attention-score block as freed there and counted
+    # no heap: the rank read -16.8%, through its bound (911 MiB measured, bound 894). Sampled: tcmalloc's heap grew
+    # by 45 MiB blocks at start-up and at the first step (Adam's two states, the step's transient) on top.
+    cfg, plan, e = term("+model=minilm", "zero=stage1", "precision=fp32", "data.seq_len=384",
+                        "trainer.micro_batch_size=7", "parallel=pipeline", "parallel.micro_batches=4",
+                        "launcher.nproc_per_node=2", world=CPU2)
+    stage0 = e.stages[0]
+    assert stage0["blocks"] == 0
+    part = stage0["model_state_bytes"]  # params + grads + master + Adam's two states, all one 45 MiB partition
+    assert lazy_state_blocks(cfg, plan, 10**7) == [4 * 10**7] * 2  # the pipeline's ZeRO-1 creates them lazily too
+    assert stage0["components"][PAGE_HEAP_TERM] > 0.25 * part
+    # a bf16 pipeline at ZeRO-0 steps a flat partition with BF16_Optimizer, whose states are lazy as well
+    assert lazy_state_blocks(*_planned("+model=tiny-gpt2", "parallel=pipeline", "precision=bf16"), 10**7) != []
+
+
 def test_glibc_has_no_page_heap_term():
     e = estimate(*_planned("+model=gpt2", "zero=stage2", "launcher.allocator=glibc"), CPU_HOST)
     assert PAGE_HEAP_TERM not in e.components

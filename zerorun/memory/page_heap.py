@@ -51,8 +51,9 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
     45 MB partition on 2 ranks)."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
-    mlp = b * s * m.intermediate_size * e
-    scores = b * m.num_heads * s * s * 4 if act.kernel in ("sdpa-math", "eager") else 0
+    layers = act.num_layers > 0  # a pipeline stage of the embeddings alone frees no layer's blocks
+    mlp = b * s * m.intermediate_size * e if layers else 0
+    scores = b * m.num_heads * s * s * 4 if layers and act.kernel in ("sdpa-math", "eager") else 0
     return max(fp32_logits_block(act), mlp, scores, largest_trainable * e)
 
 
@@ -67,8 +68,10 @@ def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: in
 def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     """The flat blocks ZeRO-1/2's optimizer creates at its first step: its states of this rank's partition
     (stage_1_and_2.py ``initialize_optimizer_states`` runs no step in DeepSpeed 0.19, and Adam, SGD and
-    AdamW8bit create their states lazily). ZeRO-3 creates them at start-up (stage3.py), before any loss."""
-    if cfg.zero.stage not in (1, 2) or plan.pipeline:
+    AdamW8bit create their states lazily), in a pipeline too, as does the BF16_Optimizer of a bf16 pipeline at
+    ZeRO-0 (bf16_optimizer.py). ZeRO-3 creates them at start-up (stage3.py), before any loss."""
+    flat_bf16_pipeline = plan.pipeline and cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16
+    if cfg.zero.stage not in (1, 2) and not flat_bf16_pipeline:
         return []
     total = optimizer_state_bytes(cfg, plan, partition)  # SGD: one momentum buffer (or none); the others: two
     n = 1 if plan.optimizer == OptimizerImpl.torch_sgd else 2
