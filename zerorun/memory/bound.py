@@ -54,9 +54,10 @@ PRIORS = {  # (relative width, where nothing measured the term)
 
 def term_widths(components: Mapping[str, int], *, accelerator: str, process_measured: bool,
                 mmap_threshold: int = CPU_MMAP_THRESHOLD, calibrated: bool = False,
-                allocator: Allocator = Allocator.glibc) -> Dict[str, int]:
+                allocator: Allocator = Allocator.glibc, placement: int = 0) -> Dict[str, int]:
     """Each uncertain part of the figure, in bytes on the high side: the counted tensors together, then every
-    other term on its own."""
+    other term on its own. ``placement``: what a preloaded allocator's heap may hold beyond its term for where
+    blocks land (page_heap.placement_bytes)."""
     counted = sum(v for k, v in components.items() if k not in OVERHEADS)
     widths: Dict[str, int] = {"counted tensors": int(COUNTED * counted)}
     for name, width in PRIORS.items():
@@ -67,6 +68,8 @@ def term_widths(components: Mapping[str, int], *, accelerator: str, process_meas
                                         * components["process runtime"])
     if accelerator == "cpu":
         widths.update(heap_width(Allocator(allocator), mmap_threshold, counted, components.get("heap retention", 0)))
+        if placement and Allocator(allocator) == Allocator.tcmalloc:
+            widths["logits spans' placement (tcmalloc)"] = placement
     if calibrated:  # the correction measured this config here: what is left is run-to-run spread
         widths = {"run to run (calibrated)": int(CORRECTION_SPREAD * sum(components.values()))}
     return {k: v for k, v in widths.items() if v > 0}

@@ -25,7 +25,7 @@ from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers, embedding_grad_transient, first_reduce, zero0_flatten_bytes
 from .params import ParamBreakdown, model_key, param_breakdown
-from .page_heap import page_heap_bytes
+from .page_heap import page_heap_bytes, placement_bytes
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, PAGE_HEAP_TERM, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
 from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
@@ -335,6 +335,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     host_components = phase([*host_steady.items(), ("optimizer-step transient (host)", host_step),
                              ("process runtime", cal.cpu_process_bytes if world.accelerator == "cpu"
                               else cal.cuda_process_host_bytes)])
+    placement = 0
     if world.accelerator == "cpu":
         # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
         # small activations leave behind, and what training pages in.
@@ -345,6 +346,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
                                                     bd.largest_trainable)
+            placement = placement_bytes(cfg, plan, act, states.partition)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
@@ -378,7 +380,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     widths = term_widths(comps, accelerator=world.accelerator, process_measured=cal.process_measured,
                          mmap_threshold=small_block_threshold(cfg.launcher, world.accelerator),
                          allocator=allocator_of(cfg.launcher, world.accelerator),
-                         calibrated=correction is not None)
+                         calibrated=correction is not None, placement=placement)
     bound = upper_bound(per_rank, widths)
     fits_device = capacity > 0 and bound <= capacity
     fits_host = host_cap <= 0 or host_node <= host_cap

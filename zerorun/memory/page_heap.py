@@ -114,6 +114,15 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
+def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, partition: int) -> int:
+    """What the page heap may hold beyond ``page_heap_bytes`` for where blocks land (a width of the bound, not
+    of the point): one fp32 logits block at ZeRO-1/2, whose step blocks and lazily created states take the
+    loss's freed logits spans best fit, so that whether the next loss finds its spans again depends on where
+    other threads' blocks went. GPT-2 small, ZeRO-1, bf16, micro 14 × 240, one rank: one block above the term
+    in two runs (4,909 and 4,851 MiB), two with a sampling thread beside it (5,475 MiB, the bound 5,488)."""
+    return fp32_logits_block(act) if lazy_state_blocks(cfg, plan, partition) else 0
+
+
 def startup_heap(cfg: RunConfig, plan: Plan, phases: Mapping[str, Mapping[str, int]], partition: int) -> int:
     """The heap ZeRO-1/2's start-up leaves: the fp32 model as built, its 16-bit cast (engine.py), the flat copy of
     the 16-bit parameters that train and this rank's fp32 master with a transient of its size (stage_1_and_2.py
