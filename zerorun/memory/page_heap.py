@@ -35,7 +35,7 @@ from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
 from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
-STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): estimate.py's step_phases names
+STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): phases.py's step_phases names
 ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
 
 

@@ -210,7 +210,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
         if stage == 1:
             # stage_1_and_2.py: param.grad full until the boundary reduce, + grads_in_partition. A pipeline reduces
             # once, after the step's last backward (PipelineEngine _exec_reduce_grads), and the partition is
-            # released with the bucket at its end: it lives only into the step (estimate.step_phases).
+            # released with the bucket at its end: it lives only into the step (phases.step_phases).
             dev.append(("gradients", T * g + (0 if off_opt or plan.pipeline else tpart * g)))
         elif not off_opt:
             dev.append(("gradients", tpart * g))  # grads_in_partition (``copy_grads_in_partition``)
