@@ -72,7 +72,7 @@ def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     # the heap reached 2,195 MiB; the first step's three 475 MiB blocks came on top of it (3,619 MiB).
     cfg, plan, e = term("+model=gpt2", "zero=stage1", "precision=bf16", "optimizer=sgd", "data.seq_len=176",
                         "trainer.micro_batch_size=5", "trainer.activation_checkpointing=true")
-    assert round(startup_heap(cfg, plan, e.phases, e.params) / MIB) == 1899
+    assert round(startup_heap(cfg, plan, e.params, e.params) / MIB) == 1899
     alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
     heap = alloc_peak + e.components[PAGE_HEAP_TERM]
     # measured 3,619 MiB of heap (tcmalloc's generic.heap_size, ~120 of it before the model: the process baseline);
@@ -140,7 +140,7 @@ def test_the_term_is_bounded_by_the_blocks_it_names(model, stage, dtype, micro, 
     taken = logits_spans_taken(logits_block, lazy)
     assert taken <= 2 and (taken == 0 or stage in (1, 2))
     alloc_peak = max(sum(v.values()) for k, v in ph.items() if k != "export")
-    after_startup = startup_heap(cfg, plan, ph, e.params) + step + sum(lazy) - alloc_peak if lazy else 0
+    after_startup = startup_heap(cfg, plan, e.params, e.params) + step + sum(lazy) - alloc_peak if lazy else 0
     assert 0 <= e.components[PAGE_HEAP_TERM] <= max(step, max(1, taken) * logits_block, after_startup)
 
 

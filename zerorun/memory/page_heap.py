@@ -94,10 +94,11 @@ def logits_spans_taken(block: int, state_blocks: List[int]) -> int:
 
 
 def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
-                    alloc_peak: int, partition: int, largest_trainable: int) -> int:
+                    alloc_peak: int, partition: int, largest_trainable: int, built_params: int) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
     phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss
-    phase and one more fp32 logits block for each span the optimizer's states took (at least one)."""
+    phase and one more fp32 logits block for each span the optimizer's states took (at least one); or, at
+    ZeRO-1/2, the start-up's heap (``built_params``: the model build_model() makes first) under the step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = largest_freed_block(cfg, plan, act, largest_trainable)
@@ -110,7 +111,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
     after_startup = 0
     if lazy:  # ZeRO-1/2: the step's blocks larger than any freed one on top of the start-up's heap
-        after_startup = startup_heap(cfg, plan, phases, partition) + flat + sum(b for b in lazy if b > freed)
+        after_startup = startup_heap(cfg, plan, built_params, partition) + flat + sum(b for b in lazy if b > freed)
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
@@ -123,11 +124,11 @@ def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, partition: int
     return fp32_logits_block(act) if lazy_state_blocks(cfg, plan, partition) else 0
 
 
-def startup_heap(cfg: RunConfig, plan: Plan, phases: Mapping[str, Mapping[str, int]], partition: int) -> int:
+def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int) -> int:
     """The heap ZeRO-1/2's start-up leaves: the fp32 model as built, its 16-bit cast (engine.py), the flat copy of
     the 16-bit parameters that train and this rank's fp32 master with a transient of its size (stage_1_and_2.py
     ``flatten``, ``clone().to(fp32)``), all alive or freed into spans the forward splits."""
-    built = phases.get("init", {}).get("fp32 model as built", 0)
+    built = 4 * built_params
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     cast = built * e // 4 if e < 4 else 0
     trainable = partition * max(1, plan.data_parallel_size)
