@@ -196,3 +196,18 @@ def test_the_correction_key_holds_every_field_that_changes_memory(change):
     cfg, other = composed(*base), composed(*base, change)
     key = lambda c: M.correction_key(c, make_plan(c, CPU2), CPU_HOST, "torch=x")  # noqa: E731
     assert key(cfg) != key(other)
+
+
+def test_when_only_the_host_stops_every_config_the_refusal_names_host_ram():
+    # Llama-3.2-1B on 8 × 24 GiB GPUs with a 24 GiB host: ZeRO-2 fits each GPU, but the 8 ranks each build the fp32
+    # model on the host first (~53 GiB). The fix used to say "add GPUs", which needs more host RAM, not less.
+    hw = Hardware("cuda", 8, 24 * GIB, 24 * GIB, 1, 16)
+    cfg = composed("+model=llama-3.2-1b", "launcher.nproc_per_node=8")
+    d = M.gate(cfg, make_plan(cfg, GPU8), hw, GateMode.strict)
+    assert not d.ok and not d.estimate.fits_device
+    fix = d.message.split("Fix: ", 1)[1]
+    assert "fits each GPU" in fix and "host RAM per node" in fix and "launcher.nproc_per_node" in fix
+    assert "add GPUs" not in fix
+    # with the host RAM to spare the same config gets a GPU-side suggestion instead
+    roomy = M.gate(cfg, make_plan(cfg, GPU8), dataclasses.replace(hw, host_mem_bytes=512 * GIB), GateMode.strict)
+    assert "A config that fits" in roomy.message

@@ -145,6 +145,11 @@ def _shortfall(cfg: RunConfig, plan: Plan, est: Estimate) -> str:
     return " ".join(parts)
 
 
+def _ample_host(hw: Hardware) -> Hardware:
+    """``hw`` with host RAM no config runs out of: to ask whether the GPUs alone could take the job."""
+    return dataclasses.replace(hw, host_mem_bytes=1 << 60, host_available_bytes=0)
+
+
 def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = None, *,
          cal: Calibration = DEFAULT_CALIBRATION) -> GateDecision:
     """The memory gate before launch. ``mode`` defaults to ``cfg.gate``.
@@ -168,10 +173,17 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     found = autofit(cfg, plan, hw, cal=cal)
     shortfall = _shortfall(cfg, plan, est)
     if found is None:
+        host_fix = (f"every rank builds the fp32 model ({gib(4 * est.params)}) on the host before DeepSpeed takes it, "
+                    "and offloaded state lives there too: fewer ranks per node (launcher.nproc_per_node), more nodes, "
+                    "or a host with more RAM (hardware.host_mem_gib when planning).")
+        gpu_side = None if est.fits_device or est.device != "cuda" else autofit(cfg, plan, _ample_host(hw), cal=cal)
         if est.fits_device:  # only host RAM is short: nothing on the GPU side helps
-            fix = (f"every rank builds the fp32 model ({gib(4 * est.params)}) on the host before DeepSpeed takes it, "
-                   "and offloaded state lives there too: fewer ranks per node (launcher.nproc_per_node), more nodes, "
-                   "or a host with more RAM (hardware.host_mem_gib when planning).")
+            fix = host_fix
+        elif gpu_side is not None:  # a config fits the GPUs, and host RAM is what no config fits
+            e = gpu_side.estimate
+            fix = (f"{' '.join(c.override() for c in gpu_side.changes)} fits each GPU ({gib(e.per_rank_peak_bytes)}, "
+                   f"at most {gib(e.bound_bytes)}) but needs {gib(e.host_bytes_per_node)} of host RAM per node, "
+                   f"which has {gib(est.host_capacity_bytes)}: {host_fix}")
         else:
             fix = (f"no micro-batch, checkpointing, bucket, ZeRO stage or offload setting fits on {plan.world.size} "
                    "rank(s): add GPUs/nodes (launcher.nnodes, launcher.nproc_per_node), use larger GPUs, or a "
