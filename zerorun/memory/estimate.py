@@ -25,14 +25,12 @@ from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations
 from .buffers import backward_buffers
 from .params import ParamBreakdown, model_key, param_breakdown
-from .phases import step_phases
+from .phases import Phase, step_phases
 from .page_heap import page_heap_bytes, placement_bytes
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, PAGE_HEAP_TERM, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
 from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
                      param_swap_element_bytes, phase)
-
-Phase = "OrderedDict[str, int]"
 
 
 def gib(n: float) -> str:

@@ -176,10 +176,10 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
         host_fix = (f"every rank builds the fp32 model ({gib(4 * est.params)}) on the host before DeepSpeed takes it, "
                     "and offloaded state lives there too: fewer ranks per node (launcher.nproc_per_node), more nodes, "
                     "or a host with more RAM (hardware.host_mem_gib when planning).")
-        gpu_side = None if est.fits_device or est.device != "cuda" else autofit(cfg, plan, _ample_host(hw), cal=cal)
         if est.fits_device:  # only host RAM is short: nothing on the GPU side helps
             fix = host_fix
-        elif gpu_side is not None:  # a config fits the GPUs, and host RAM is what no config fits
+        elif est.device == "cuda" and (gpu_side := autofit(cfg, plan, _ample_host(hw), cal=cal)) is not None:
+            # a config fits the GPUs, and host RAM is what no config fits
             e = gpu_side.estimate
             fix = (f"{' '.join(c.override() for c in gpu_side.changes)} fits each GPU ({gib(e.per_rank_peak_bytes)}, "
                    f"at most {gib(e.bound_bytes)}) but needs {gib(e.host_bytes_per_node)} of host RAM per node, "

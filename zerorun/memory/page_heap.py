@@ -57,10 +57,15 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
     return max(fp32_logits_block(act), mlp, scores, largest_trainable * e)
 
 
+def bf16_optimizer_pipeline(cfg: RunConfig, plan: Plan) -> bool:
+    """A bf16 pipeline at ZeRO-0: DeepSpeed steps it with BF16_Optimizer, on a flat partition as ZeRO-1/2 do."""
+    return bool(plan.pipeline) and cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16
+
+
 def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: int) -> int:
     """The size of one flat block of the optimizer step: this rank's fp32 partition (a ZeRO-3 sub-group), or under
     ZeRO-0 one tensor's fp32 gradient (BF16_Optimizer's pipeline path flattens the whole partition)."""
-    if cfg.zero.stage >= 1 or (plan.pipeline and Dtype(cfg.precision.dtype) == Dtype.bf16):
+    if cfg.zero.stage >= 1 or bf16_optimizer_pipeline(cfg, plan):
         return 4 * min(partition, DS_SUB_GROUP_SIZE)
     return 4 * largest_trainable
 
@@ -70,8 +75,7 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     (stage_1_and_2.py ``initialize_optimizer_states`` runs no step in DeepSpeed 0.19, and Adam, SGD and
     AdamW8bit create their states lazily), in a pipeline too, as does the BF16_Optimizer of a bf16 pipeline at
     ZeRO-0 (bf16_optimizer.py). ZeRO-3 creates them at start-up (stage3.py), before any loss."""
-    flat_bf16_pipeline = plan.pipeline and cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16
-    if cfg.zero.stage not in (1, 2) and not flat_bf16_pipeline:
+    if cfg.zero.stage not in (1, 2) and not bf16_optimizer_pipeline(cfg, plan):
         return []
     total = optimizer_state_bytes(cfg, plan, partition)  # SGD: one momentum buffer (or none); the others: two
     n = 1 if plan.optimizer == OptimizerImpl.torch_sgd else 2
