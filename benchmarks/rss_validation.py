@@ -27,6 +27,7 @@ from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from zerorun.memory import OVERHEADS  # noqa: E402
+from zerorun.train.memory_report import rank_figures  # noqa: E402  (per rank: its stage's, rank 0's export)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -187,13 +188,6 @@ def random_points(n: int, seed: int, data_dir: Path, models=MODELS) -> List[List
     return out
 
 
-def rank_figures(e: Dict, rank: int):
-    """(point, bound) the gate gave this rank: global rank 0 writes the export, the others peak in training."""
-    if rank != 0 and e.get("other_ranks_peak_bytes"):
-        return e["other_ranks_peak_bytes"], e.get("other_ranks_bound_bytes")
-    return e["per_rank_peak_bytes"], e.get("per_rank_bound_bytes")
-
-
 class Refused(RuntimeError):
     """zerorun refused the config before launch (exit 2): the gate said it does not fit here."""
 
@@ -245,6 +239,7 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                      "estimate": point, "mmap_mib": mode, "bound": bound,
                      "tokens_per_s": summary.get("tokens_per_s"), "allocator": summary.get("allocator"),
                      "measured": r["peak_rss_bytes"], "phase": e["peak_phase"],
+                     "heap_limit": r.get("heap_limit_bytes", 0),
                      "by_point": r.get("peak_rss_bytes_by_point", {}), "live": r.get("live_tensor_peak_bytes"),
                      "alloc_estimate": e["per_rank_peak_bytes"] - sum(v for k, v in e["components"].items()
                                                                       if k in OVERHEADS),

@@ -5,7 +5,7 @@ cgroup limit judge), a GPU rank's device peak (reserved by PyTorch's allocator +
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from ..hardware import GIB
 from ..telemetry import accelerator_peak_bytes, device_figures, model_state_bytes, peak_rss_bytes
@@ -25,6 +25,7 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
     mine = torch.tensor([peak_rss_bytes(), accelerator_peak_bytes(), states["parameters"],
                          states["persistent parameters"], states["fp32 master copies"], states["optimizer states"],
                          (live or {}).get("init", 0), (live or {}).get("train", 0), stage,
+                         (getattr(trainer, "heap_limit", None) or {}).get("limit_bytes", 0),
                          *[device.get(k, 0) for k in DEVICE_KEYS], *marks], dtype=torch.float64)
     mine = mine.to(trainer.device)  # NCCL gathers CUDA tensors only (a CPU one: "No backend type associated ...")
     gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]
@@ -36,10 +37,12 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
         row: Dict[str, Any] = {"rank": r, "peak_rss_bytes": g[0], "accelerator_peak_allocated_bytes": g[1],
                                "model_state_bytes": {"parameters": g[2], "persistent_parameters": g[3],
                                                      "fp32_master": g[4], "optimizer_states": g[5]}}
-        if any(g[9:9 + n_dev]):
-            row["device_bytes"] = dict(zip(DEVICE_KEYS, g[9:9 + n_dev]))
+        if any(g[10:10 + n_dev]):
+            row["device_bytes"] = dict(zip(DEVICE_KEYS, g[10:10 + n_dev]))
         # The peak RSS so far as the rank passed each point: which part of the run set the peak.
-        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[9 + n_dev:]))
+        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[10 + n_dev:]))
+        if g[9]:  # the ceiling on its tcmalloc heap (launcher.heap_limit_mib; train/heap_limit.py)
+            row["heap_limit_bytes"] = g[9]
         if live is not None:
             row["live_tensor_peak_bytes"] = {"init": g[6], "train": g[7]}
         if trainer.strategy.pipeline:
@@ -48,17 +51,24 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
     return out
 
 
+def rank_figures(estimate: Mapping[str, Any], rank: int, stage: Optional[int] = None):
+    """(point, bound) the gate gave one rank: its pipeline stage's figures for a pipeline; global rank 0 writes
+    the export, the other ranks peak in training (other_ranks_*). Pure."""
+    est = estimate
+    if stage is not None and stage >= 0 and estimate.get("pipeline_stages"):
+        est = estimate["pipeline_stages"][stage]
+    point, bound = est.get("per_rank_peak_bytes"), est.get("per_rank_bound_bytes")
+    if rank != 0 and est.get("other_ranks_peak_bytes"):
+        point, bound = est["other_ranks_peak_bytes"], est.get("other_ranks_bound_bytes", bound)
+    return point, bound
+
+
 def compare_with_estimate(estimate: Dict[str, Any], memory: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per rank: the gate's figure (its pipeline stage's, for a pipeline), the measured one, the error
     (estimate − measured) / measured, and which measurement it is. Pure."""
     out = []
     for row in memory:
-        est = estimate
-        if "pipeline_stage" in row and estimate.get("pipeline_stages"):
-            est = estimate["pipeline_stages"][row["pipeline_stage"]]
-        estimated, bound = est.get("per_rank_peak_bytes"), est.get("per_rank_bound_bytes")
-        if row["rank"] != 0 and est.get("other_ranks_peak_bytes"):  # only rank 0 writes the export
-            estimated, bound = est["other_ranks_peak_bytes"], est.get("other_ranks_bound_bytes", bound)
+        estimated, bound = rank_figures(estimate, row["rank"], row.get("pipeline_stage"))
         if "device_bytes" in row:
             measured, what = row["device_bytes"]["device_peak"], "device peak (allocator reserved + outside it)"
         else:

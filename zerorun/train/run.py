@@ -86,10 +86,15 @@ def _leave_after_oom(run_dir: RunDir, trainer: Optional[Trainer], error: BaseExc
     if trainer is not None:
         info.update(step=trainer.step, micro_batch_size=trainer.plan.micro_batch_size,
                     grad_accum_steps=trainer.plan.grad_accum_steps, device=device_figures())
+        if trainer.heap_limit.get("limit_bytes"):  # live memory reached the ceiling held at the gate's bound
+            info["heap_limit_bytes"] = trainer.heap_limit["limit_bytes"]
     try:
         faults.record(run_dir.path, rank, "oom", **info)
         print(f"zerorun: rank {rank} ran out of memory at step {info.get('step', 'setup')} "
-              f"(micro-batch {info.get('micro_batch_size', '?')}): {info['error']}", file=sys.stderr, flush=True)
+              f"(micro-batch {info.get('micro_batch_size', '?')}): {info['error']}"
+              + (f" (its tcmalloc heap is held under {info['heap_limit_bytes'] / 2**20:.0f} MiB by "
+                 "launcher.heap_limit_mib; 0 lifts the ceiling)" if info.get("heap_limit_bytes") else ""),
+              file=sys.stderr, flush=True)
     finally:
         os._exit(faults.EXIT_OOM)
 
@@ -160,6 +165,7 @@ def build_summary(trainer: Trainer, result: Dict[str, Any], memory: List[Dict[st
         "world_size": trainer.world,
         "accelerator": trainer.accel.device_name(),
         "allocator": running_allocator(),  # read from this rank's own mappings: what ran, whatever was asked
+        "heap_limit": trainer.heap_limit,  # this rank's ceiling on its tcmalloc heap, and why (train/heap_limit.py)
         "peak_memory": memory,
         "peak_memory_measures": measures,
         "estimated_components": estimate.get("components"),

@@ -20,7 +20,7 @@ from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
 from ..telemetry import RssMilestones
-from . import interrupts, optimizers
+from . import heap_limit, interrupts, optimizers
 from .strategy import strategy_for
 
 
@@ -80,6 +80,7 @@ class Trainer:
         import_model_code(model_code(self.cfg.model))
         self.stop = interrupts.StopFlag(run_dir.path, dist)  # a signal from here on stops at a step boundary
         self.rss = RssMilestones()
+        self.heap_limit: Dict[str, Any] = {}  # the ceiling on a CPU rank's tcmalloc heap, once built (heap_limit.py)
         self.rss.mark("ready")  # every import and the process group, no tensor yet: the process baseline
 
     # ------------------------------------------------------------------ setup
@@ -118,6 +119,9 @@ class Trainer:
         self.start_step = 0
         self.step = 0  # the step being run (fault records name it)
         self.rss.mark("built")
+        if self.plan.world.accelerator == "cpu":  # the resident set the gate's bound is on (GPU: device memory)
+            self.heap_limit = heap_limit.apply(cfg.launcher.heap_limit_mib, self.run_dir.read_estimate() or {},
+                                               self.rank, self.engine.stage_id if self.strategy.pipeline else None)
         interrupts.limit_memory(self.rank)
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         seed_everything(cfg.seed + 1000 * (self.rank + 1))

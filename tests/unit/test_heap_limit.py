@@ -1,0 +1,60 @@
+"""launcher.heap_limit_mib: the ceiling a CPU rank puts on its tcmalloc heap, from the gate's bound for that rank."""
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zerorun.config import compose
+from zerorun.config.errors import UserError
+from zerorun.config.fields import field_problems
+from zerorun.train import heap_limit
+from zerorun.train.memory_report import rank_figures
+
+pytestmark = pytest.mark.unit
+MIB = 2**20
+
+ESTIMATE = {"per_rank_peak_bytes": 900 * MIB, "per_rank_bound_bytes": 1000 * MIB,
+            "other_ranks_peak_bytes": 800 * MIB, "other_ranks_bound_bytes": 880 * MIB,
+            "pipeline_stages": [{"per_rank_peak_bytes": 500 * MIB, "per_rank_bound_bytes": 560 * MIB},
+                                {"per_rank_peak_bytes": 700 * MIB, "per_rank_bound_bytes": 790 * MIB}]}
+
+
+def test_each_rank_gets_its_own_figures():
+    flat = {k: v for k, v in ESTIMATE.items() if k != "pipeline_stages"}
+    assert rank_figures(flat, 0) == (900 * MIB, 1000 * MIB)  # rank 0 writes the export
+    assert rank_figures(flat, 1) == (800 * MIB, 880 * MIB)
+    assert rank_figures(ESTIMATE, 3, stage=1) == (700 * MIB, 790 * MIB)  # a pipeline rank: its stage's
+    assert rank_figures(flat, 1, stage=-1) == (800 * MIB, 880 * MIB)  # -1: not a pipeline (gather_memory's)
+
+
+def test_the_ceiling_is_the_bound_less_what_is_resident_outside_the_heap():
+    # 1,000 MiB bound; 700 resident of which 450 in the heap: 250 outside, so the heap may hold 750.
+    assert heap_limit.ceiling_bytes(-1, 1000 * MIB, 700 * MIB, 450 * MIB) == 750 * MIB
+    assert heap_limit.ceiling_bytes(0, 1000 * MIB, 700 * MIB, 450 * MIB) == 0  # off
+    assert heap_limit.ceiling_bytes(300, 1000 * MIB, 700 * MIB, 450 * MIB) == 300 * MIB  # the user's figure
+    assert heap_limit.ceiling_bytes(-1, None, 700 * MIB, 450 * MIB) == 0  # no bound: nothing to hold it at
+
+
+@given(bound=st.integers(1, 2**40), resident=st.integers(0, 2**40), heap=st.integers(0, 2**40))
+def test_the_ceiling_never_lets_the_resident_set_pass_the_bound(bound, resident, heap):
+    limit = heap_limit.ceiling_bytes(-1, bound, resident, heap)
+    assert limit >= MIB  # 0 would mean no limit to tcmalloc
+    assert limit + max(0, resident - heap) <= max(bound, MIB + max(0, resident - heap))
+
+
+def test_off_where_tcmalloc_is_not_what_runs_or_the_user_set_a_limit():
+    # This test process runs glibc's malloc.
+    assert heap_limit.apply(-1, ESTIMATE, 0, environ={})["why"] == "tcmalloc is not this rank's allocator"
+    assert heap_limit.apply(-1, ESTIMATE, 0, environ={"TCMALLOC_HEAP_LIMIT_MB": "4096"})["limit_bytes"] == 0
+    assert heap_limit.apply(0, ESTIMATE, 0, environ={})["why"] == "launcher.heap_limit_mib=0"
+
+
+def test_a_bad_heap_limit_is_refused_naming_the_key_and_the_fix():
+    (problem,) = field_problems(compose(["launcher.heap_limit_mib=-2"]))
+    assert str(problem).startswith("launcher.heap_limit_mib=-2: must be at least -1. Fix: launcher.heap_limit_mib=-1")
+    for value in ("1.5", "lots"):  # not an integer: Hydra's own message, naming the override
+        with pytest.raises(UserError, match="launcher.heap_limit_mib"):
+            compose([f"launcher.heap_limit_mib={value}"])
+
+
+def test_the_default_holds_each_rank_at_its_bound():
+    assert compose([]).launcher.heap_limit_mib == -1

@@ -1,0 +1,91 @@
+"""A ceiling on a CPU rank's tcmalloc page heap at the gate's bound (launcher.heap_limit_mib).
+
+tcmalloc keeps freed spans for reuse and grows its heap when no free span fits the next block, so over a step's
+allocation order the heap can hold far more than the live tensors, and it grows for several steps: a GPT-2
+small rank (ZeRO-0, fp32, micro 5 x 144) peaked at 2,094 MiB live but 3,110 MiB resident at step 3 and 3,230 at
+step 5 (docs/memory.md §5.7). gperftools' heap limit (``tcmalloc.heap_limit_mb``, settable at run time) makes
+the page heap return free spans to the OS before it grows past the ceiling. Set at the rank's bound less what the
+rank holds outside the heap, the resident set stays under the figure the gate decided on whatever the placement;
+only live memory above it fails, as an out-of-memory error the supervisor answers with a smaller micro-batch.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Dict, Mapping, Optional
+
+from ..allocators import running
+from ..config.schema import Allocator
+from .memory_report import rank_figures
+
+MIB = 2**20
+PROPERTY = b"tcmalloc.heap_limit_mb"
+USERS_ENV = "TCMALLOC_HEAP_LIMIT_MB"
+"""gperftools reads this at start-up: a limit the user set wins, as their LD_PRELOAD does."""
+
+
+def ceiling_bytes(setting_mib: int, bound: Optional[int], resident: int, heap_resident: int) -> int:
+    """The heap limit for ``launcher.heap_limit_mib`` (0: none; -1: the rank's ``bound`` less what is resident
+    outside the heap now: the interpreter, libraries, mapped files), in bytes, 0 for none. Pure."""
+    if setting_mib > 0:
+        return setting_mib * MIB
+    if setting_mib == 0 or not bound:
+        return 0
+    return max(MIB, bound - max(0, resident - heap_resident))
+
+
+class Tcmalloc:
+    """gperftools' MallocExtension C API in this process (None where tcmalloc is not what runs)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(None)
+        self._get, self._set = lib.MallocExtension_GetNumericProperty, lib.MallocExtension_SetNumericProperty
+        self._get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+        self._set.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+    @classmethod
+    def here(cls) -> Optional["Tcmalloc"]:
+        try:
+            return cls() if running() == Allocator.tcmalloc.value else None
+        except (OSError, AttributeError):  # a tcmalloc without the C API: nothing to control
+            return None
+
+    def get(self, name: str) -> int:
+        value = ctypes.c_size_t(0)
+        return value.value if self._get(name.encode(), ctypes.byref(value)) else 0
+
+    def heap_resident(self) -> int:
+        """Pages the heap holds from the OS: its size less what it has returned (unmapped)."""
+        return self.get("generic.heap_size") - self.get("tcmalloc.pageheap_unmapped_bytes")
+
+    def set_limit(self, limit: int) -> bool:
+        return bool(self._set(PROPERTY, -(-limit // MIB)))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optional[int] = None,
+          environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """Set this rank's ceiling (once the engine is built: what is resident outside the heap has settled) and say
+    what was done, for summary.json: {"limit_bytes": 0} where nothing was set, with the reason."""
+    if setting_mib == 0:
+        return {"limit_bytes": 0, "why": "launcher.heap_limit_mib=0"}
+    if environ.get(USERS_ENV):
+        return {"limit_bytes": 0, "why": f"your {USERS_ENV}={environ[USERS_ENV]} is in effect"}
+    tc = Tcmalloc.here()
+    if tc is None:
+        return {"limit_bytes": 0, "why": "tcmalloc is not this rank's allocator"}
+    resident, heap = resident_bytes(), tc.heap_resident()
+    limit = ceiling_bytes(setting_mib, rank_figures(estimate, rank, stage)[1], resident, heap)
+    live = tc.get("generic.current_allocated_bytes")
+    if not limit:
+        return {"limit_bytes": 0, "why": "no bound in estimate.json"}
+    if limit <= live:  # the bound is already passed by live memory: a ceiling would only fail the first step
+        return {"limit_bytes": 0, "why": f"{live / MIB:.0f} MiB already live, above the ceiling of {limit / MIB:.0f}"}
+    if not tc.set_limit(limit):
+        return {"limit_bytes": 0, "why": "tcmalloc refused tcmalloc.heap_limit_mb"}
+    return {"limit_bytes": limit, "outside_heap_bytes": max(0, resident - heap),
+            "why": "launcher.heap_limit_mib=%d" % setting_mib if setting_mib > 0 else "the gate's bound"}
