@@ -58,3 +58,22 @@ def test_a_bad_heap_limit_is_refused_naming_the_key_and_the_fix():
 
 def test_the_default_holds_each_rank_at_its_bound():
     assert compose([]).launcher.heap_limit_mib == -1
+
+
+def test_an_explicit_ceiling_below_the_tensors_is_refused_before_launch_with_a_ceiling_that_clears_them():
+    from helpers import CPU2, CPU_HOST
+    from zerorun.config import make_plan
+    from zerorun.memory import gate
+
+    def decide(*overrides):
+        cfg = compose(["+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2", "launcher.allocator=tcmalloc",
+                       *overrides])
+        return gate(cfg, make_plan(cfg, CPU2), CPU_HOST)
+
+    low = decide("launcher.heap_limit_mib=100")
+    assert not low.ok and low.message.startswith("launcher.heap_limit_mib=100 holds each CPU rank's tcmalloc heap")
+    suggested = low.message.split("Fix: ")[1].split()[0]
+    assert decide(suggested).ok  # the ceiling it names clears the tensors
+    assert decide("launcher.heap_limit_mib=-1").ok and decide("launcher.heap_limit_mib=0").ok
+    glibc = decide("launcher.heap_limit_mib=100", "launcher.allocator=glibc")
+    assert glibc.ok  # no tcmalloc heap to hold: the setting does nothing there

@@ -181,13 +181,13 @@ class LauncherConfig:
     explicit 0 or 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
     heap_limit_mib: int = num(-1, ge=-1)
     """CPU ranks on tcmalloc: a ceiling on its page heap (gperftools' tcmalloc.heap_limit_mb), set in each rank once
-    the engine is built. -1: the rank's bound from the gate less what it holds outside the heap, so its peak RSS
-    stays under the figure the launch was let through on: tcmalloc returns free spans to the OS rather than grow
-    past it (its heap otherwise keeps what the allocation order leaves free, and grows for several steps). Free
-    while the heap stays under it; a rank held at it re-faults what it returned (~10% slower steps measured on
-    one held 17% under its natural peak). 0: no ceiling. N: N MiB of heap. Live memory above the ceiling fails
-    as an out-of-memory error (the supervisor retries with a smaller micro-batch). A TCMALLOC_HEAP_LIMIT_MB you
-    set wins."""
+    the engine is built and a checkpoint, if any, resumed. -1: the rank's bound from the gate less what it holds
+    outside the heap, so its peak RSS stays under the figure the launch was let through on: tcmalloc returns free
+    spans to the OS rather than grow past it (its heap otherwise keeps what the allocation order leaves free, and
+    grows for several steps). Free while the heap stays under it; a rank held at it re-faults what it returned
+    (~10% slower steps measured on one held 17% under its natural peak). 0: no ceiling. N: N MiB of heap (the
+    gate's figures stay those of the unheld heap). Live memory above the ceiling fails as an out-of-memory error
+    (the supervisor retries with a smaller micro-batch). A TCMALLOC_HEAP_LIMIT_MB you set wins."""
     expandable_segments: bool = True
     """CUDA ranks: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the allocator grows segments in place: far
     less reserved-but-unused memory, the usual cause of an OOM mid-run with memory to spare). The gate counts a

@@ -17,7 +17,7 @@ from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
 from .ladder import Change, apply, candidates, has_bitsandbytes
-from .priors import DEFAULT_CALIBRATION, Calibration
+from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration
 
 
 @dataclass
@@ -165,6 +165,9 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     est = estimate(cfg, plan, hw, cal=cal)
     if mode == GateMode.off:
         return GateDecision(True, mode, cfg, est, est, message="memory gate off: estimate recorded only.")
+    low_ceiling = _ceiling_below_tensors(cfg, est)
+    if low_ceiling:
+        return GateDecision(False, mode, cfg, est, est, message=low_ceiling)
     if est.fits:
         unit = "GPU" if est.device == "cuda" else "rank"
         return GateDecision(True, mode, cfg, est, est,
@@ -214,6 +217,22 @@ def gate(cfg: RunConfig, plan: Plan, hw: Hardware, mode: Optional[GateMode] = No
     if mode == GateMode.warn:
         return GateDecision(True, mode, cfg, est, est, message=msg, warning=msg, suggestion=overrides)
     return GateDecision(False, mode, cfg, est, est, message=msg, suggestion=overrides)
+
+
+def _ceiling_below_tensors(cfg: RunConfig, est: Estimate) -> Optional[str]:
+    """An explicit launcher.heap_limit_mib below the tensors a CPU rank holds at its peak: tcmalloc would fail the
+    first step (train/heap_limit.py), and no smaller micro-batch is what the user asked for. The tensors are the
+    floor: the heap also holds the interpreter's share, so a ceiling just above them can still be too low."""
+    ceiling = cfg.launcher.heap_limit_mib
+    if ceiling <= 0 or not est.device.startswith("cpu") or est.summary.get("allocator") != "tcmalloc":
+        return None
+    tensors = sum(v for k, v in est.components.items() if k not in OVERHEADS)
+    if ceiling * 2**20 >= tensors:
+        return None
+    return (f"launcher.heap_limit_mib={ceiling} holds each CPU rank's tcmalloc heap under {ceiling} MiB, but its "
+            f"tensors alone reach {tensors / 2**20:,.0f} MiB at the peak ({est.peak_phase}): the first step would "
+            f"fail. Fix: launcher.heap_limit_mib={-(-int(1.1 * tensors) // 2**20)} (the tensors and 10%), -1 (the "
+            "gate's bound) or 0 (no ceiling).")
 
 
 def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:

@@ -117,6 +117,7 @@ def _run(run_dir: RunDir, state: Dict[str, Any]) -> int:
     resume = run_dir.read_resume()
     if resume:
         trainer.resume(Path(resume["checkpoint_dir"]), resume["tag"])
+    trainer.hold_heap()
     result = trainer.train()
     if result.get("preempted"):
         p = result["preempted"]

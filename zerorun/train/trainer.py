@@ -119,12 +119,17 @@ class Trainer:
         self.start_step = 0
         self.step = 0  # the step being run (fault records name it)
         self.rss.mark("built")
-        if self.plan.world.accelerator == "cpu":  # the resident set the gate's bound is on (GPU: device memory)
-            self.heap_limit = heap_limit.apply(cfg.launcher.heap_limit_mib, self.run_dir.read_estimate() or {},
-                                               self.rank, self.engine.stage_id if self.strategy.pipeline else None)
         interrupts.limit_memory(self.rank)
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         seed_everything(cfg.seed + 1000 * (self.rank + 1))
+
+    def hold_heap(self) -> None:
+        """Hold a CPU rank's tcmalloc heap under its bound (launcher.heap_limit_mib), from here to the end: after
+        the build and a resume, whose load holds a second copy of the states for a moment (torch.load, then
+        copied into place) that the estimate's training phases do not count."""
+        if self.plan.world.accelerator == "cpu":  # the resident set the gate's bound is on (GPU: device memory)
+            self.heap_limit = heap_limit.apply(self.cfg.launcher.heap_limit_mib, self.run_dir.read_estimate() or {},
+                                               self.rank, self.engine.stage_id if self.strategy.pipeline else None)
 
     def batch(self, data, idx) -> Dict[str, Any]:
         return {k: self.torch.from_numpy(v).to(self.device) for k, v in data.batch(idx).items()}
