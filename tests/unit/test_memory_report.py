@@ -26,7 +26,7 @@ def test_gather_runs_on_the_ranks_device(monkeypatch):
     monkeypatch.setattr(memory_report, "model_state_bytes", lambda engine: states)
     dist = RecordingDist("meta")  # any device but the host's: where a GPU rank's tensors live
     trainer = SimpleNamespace(engine=None, strategy=SimpleNamespace(pipeline=False), world=2, device="meta",
-                              rss=SimpleNamespace(points={}), dist=dist)
+                              rss=SimpleNamespace(points={}), dist=dist, heap_limit={})
     rows = memory_report.gather_memory(trainer, live=None)
     assert len(dist.calls) == 1
     assert [r["rank"] for r in rows] == [0, 1]

@@ -69,8 +69,8 @@ def resident_bytes() -> int:
 
 def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optional[int] = None,
           environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
-    """Set this rank's ceiling (once the engine is built: what is resident outside the heap has settled) and say
-    what was done, for summary.json: {"limit_bytes": 0} where nothing was set, with the reason."""
+    """Set this rank's ceiling (after the build and any resume: what is resident outside the heap has settled) and
+    say what was done, for summary.json: {"limit_bytes": 0} where nothing was set, with the reason."""
     if setting_mib == 0:
         return {"limit_bytes": 0, "why": "launcher.heap_limit_mib=0"}
     if environ.get(USERS_ENV):
@@ -88,4 +88,4 @@ def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optio
     if not tc.set_limit(limit):
         return {"limit_bytes": 0, "why": "tcmalloc refused tcmalloc.heap_limit_mb"}
     return {"limit_bytes": limit, "outside_heap_bytes": max(0, resident - heap),
-            "why": "launcher.heap_limit_mib=%d" % setting_mib if setting_mib > 0 else "the gate's bound"}
+            "why": f"launcher.heap_limit_mib={setting_mib}" if setting_mib > 0 else "the gate's bound"}

@@ -25,7 +25,7 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
     mine = torch.tensor([peak_rss_bytes(), accelerator_peak_bytes(), states["parameters"],
                          states["persistent parameters"], states["fp32 master copies"], states["optimizer states"],
                          (live or {}).get("init", 0), (live or {}).get("train", 0), stage,
-                         (getattr(trainer, "heap_limit", None) or {}).get("limit_bytes", 0),
+                         trainer.heap_limit.get("limit_bytes", 0),
                          *[device.get(k, 0) for k in DEVICE_KEYS], *marks], dtype=torch.float64)
     mine = mine.to(trainer.device)  # NCCL gathers CUDA tensors only (a CPU one: "No backend type associated ...")
     gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]

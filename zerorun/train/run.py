@@ -86,7 +86,7 @@ def _leave_after_oom(run_dir: RunDir, trainer: Optional[Trainer], error: BaseExc
     if trainer is not None:
         info.update(step=trainer.step, micro_batch_size=trainer.plan.micro_batch_size,
                     grad_accum_steps=trainer.plan.grad_accum_steps, device=device_figures())
-        if trainer.heap_limit.get("limit_bytes"):  # live memory reached the ceiling held at the gate's bound
+        if trainer.heap_limit.get("limit_bytes"):  # live memory may have met the ceiling on the rank's heap
             info["heap_limit_bytes"] = trainer.heap_limit["limit_bytes"]
     try:
         faults.record(run_dir.path, rank, "oom", **info)
