@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from .config.schema import Allocator
 from .hardware import GIB
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
@@ -83,7 +84,11 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                      + "; docs/memory.md §5.4).")
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config. at most: the bound the gate decides on "
-                 "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits). adamw8bit peak: the same row with "
+                 "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits"
+                 + ("; CPU ranks on tcmalloc hold their heap under it while they run, launcher.heap_limit_mib, §5.7"
+                    if hw.accelerator == "cpu" and Allocator(cfg.launcher.allocator) == Allocator.tcmalloc
+                    and cfg.launcher.heap_limit_mib == -1 else "")
+                 + "). adamw8bit peak: the same row with "
                  "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload). pred. s/step: "
                  f"the step-time model autofit ranks by ({'measured on a CPU machine' if hw.accelerator == 'cpu' else 'GPU priors'}"
                  "; zerorun/speed.py).")
