@@ -185,7 +185,7 @@ class LauncherConfig:
     outside the heap, so its peak RSS stays under the figure the launch was let through on: tcmalloc returns free
     spans to the OS rather than grow past it (its heap otherwise keeps what the allocation order leaves free, and
     grows for several steps). Free while the heap stays under it; a rank held at it re-faults what it returned
-    (~10% slower steps measured on one held 17% under its natural peak). 0: no ceiling. N: N MiB of heap (the
+    (10-21% slower steps measured on two ranks held 1.5-18% under their natural peak). 0: no ceiling. N: N MiB of heap (the
     gate's figures stay those of the unheld heap). Live memory above the ceiling fails as an out-of-memory error
     (the supervisor retries with a smaller micro-batch). A TCMALLOC_HEAP_LIMIT_MB you set wins."""
     expandable_segments: bool = True
