@@ -103,7 +103,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         glibc_mmap = world.accelerator == "cpu" and alloc.name == Allocator.glibc and cfg.launcher.mmap_threshold_mib is None
         say(("CPU ranks' allocator: " if world.accelerator == "cpu" else "allocator: ") + alloc.why
             + ("; mmap threshold 1 MiB (freed activations go back to the OS)" if glibc_mmap else "")
-            + ("; heap held under the gate's bound (launcher.heap_limit_mib)" if world.accelerator == "cpu"
+            + ("; heap held under each rank's share of host RAM (launcher.heap_limit_mib)" if world.accelerator == "cpu"
                and alloc.name == Allocator.tcmalloc and cfg.launcher.heap_limit_mib == -1
                and not os.environ.get("TCMALLOC_HEAP_LIMIT_MB") else ""))
     if here and not cfg.dry_run and cfg.gate != GateMode.off:

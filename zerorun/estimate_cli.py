@@ -85,7 +85,8 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
     lines.append("host RAM/node: the larger of the fp32 model every rank builds before DeepSpeed takes it and the "
                  "offloaded state, + the rank processes. * = the composed config. at most: the bound the gate decides on "
                  "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits"
-                 + ("; CPU ranks on tcmalloc hold their heap under it while they run, launcher.heap_limit_mib, §5.7"
+                 + ("; CPU ranks on tcmalloc hold their heap under their capacity, never below this, while they run:"
+                    " launcher.heap_limit_mib, §5.7"
                     if hw.accelerator == "cpu" and Allocator(cfg.launcher.allocator) == Allocator.tcmalloc
                     and cfg.launcher.heap_limit_mib == -1 else "")
                  + "). adamw8bit peak: the same row with "

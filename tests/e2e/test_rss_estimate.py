@@ -41,8 +41,9 @@ def test_peak_rss_is_predicted_within_the_targets(tmp_path, cache_dir):
     assert min(errors) >= -0.05, R.summarize(rows)
     # The gate decides on the bound: it must hold on every rank, without being a blanket margin.
     assert all(r["measured"] <= r["bound"] <= 1.25 * r["measured"] for r in rows), R.summarize(rows)
-    # Under tcmalloc every rank holds its heap under that bound (launcher.heap_limit_mib=-1, the default).
-    assert all(0 < r["heap_limit"] < r["bound"] for r in rows if r["allocator"] == "tcmalloc"), rows
+    # Under tcmalloc every rank holds its heap under its share of host RAM, never below its bound less what it
+    # holds outside the heap (less than the process baseline): launcher.heap_limit_mib=-1, the default.
+    assert all(r["heap_limit"] > r["bound"] - r["process_runtime"] for r in rows if r["allocator"] == "tcmalloc"), rows
 
 
 def test_calibrate_once_then_every_gate_uses_it(tmp_path, cache_dir):

@@ -26,19 +26,26 @@ def test_each_rank_gets_its_own_figures():
     assert rank_figures(flat, 1, stage=-1) == (800 * MIB, 880 * MIB)  # -1: not a pipeline (gather_memory's)
 
 
-def test_the_ceiling_is_the_bound_less_what_is_resident_outside_the_heap():
-    # 1,000 MiB bound; 700 resident of which 450 in the heap: 250 outside, so the heap may hold 750.
-    assert heap_limit.ceiling_bytes(-1, 1000 * MIB, 700 * MIB, 450 * MIB) == 750 * MIB
-    assert heap_limit.ceiling_bytes(0, 1000 * MIB, 700 * MIB, 450 * MIB) == 0  # off
-    assert heap_limit.ceiling_bytes(300, 1000 * MIB, 700 * MIB, 450 * MIB) == 300 * MIB  # the user's figure
-    assert heap_limit.ceiling_bytes(-1, None, 700 * MIB, 450 * MIB) == 0  # no bound: nothing to hold it at
+def test_the_ceiling_is_the_ranks_share_of_host_ram_never_below_its_bound_less_what_is_outside_the_heap():
+    # 1,000 MiB bound, 4,000 MiB of host RAM per rank; 700 resident of which 450 in the heap: 250 outside.
+    assert heap_limit.ceiling_bytes(-1, 1000 * MIB, 4000 * MIB, 700 * MIB, 450 * MIB) == 3750 * MIB
+    # gate=warn let the bound past the capacity: the ceiling is the bound (no rank is held below its own figure)
+    assert heap_limit.ceiling_bytes(-1, 1000 * MIB, 800 * MIB, 700 * MIB, 450 * MIB) == 750 * MIB
+    assert heap_limit.ceiling_bytes(0, 1000 * MIB, 4000 * MIB, 700 * MIB, 450 * MIB) == 0  # off
+    assert heap_limit.ceiling_bytes(300, 1000 * MIB, 4000 * MIB, 700 * MIB, 450 * MIB) == 300 * MIB  # the user's
+    assert heap_limit.ceiling_bytes(-1, None, 0, 700 * MIB, 450 * MIB) == 0  # nothing to hold it at
 
 
-@given(bound=st.integers(1, 2**40), resident=st.integers(0, 2**40), heap=st.integers(0, 2**40))
-def test_the_ceiling_never_lets_the_resident_set_pass_the_bound(bound, resident, heap):
-    limit = heap_limit.ceiling_bytes(-1, bound, resident, heap)
+@given(bound=st.integers(0, 2**40), capacity=st.integers(0, 2**40), resident=st.integers(0, 2**40),
+       heap=st.integers(0, 2**40))
+def test_the_ceiling_holds_the_resident_set_at_the_larger_of_bound_and_capacity(bound, capacity, resident, heap):
+    limit = heap_limit.ceiling_bytes(-1, bound, capacity, resident, heap)
+    target, outside = max(bound, capacity), max(0, resident - heap)
+    if not target:
+        assert limit == 0
+        return
     assert limit >= MIB  # 0 would mean no limit to tcmalloc
-    assert limit + max(0, resident - heap) <= max(bound, MIB + max(0, resident - heap))
+    assert limit + outside == max(target, MIB + outside)  # never more than the target, never below the bound
 
 
 def test_off_where_tcmalloc_is_not_what_runs_or_the_user_set_a_limit():

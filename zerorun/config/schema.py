@@ -181,11 +181,13 @@ class LauncherConfig:
     explicit 0 or 32 to 1 on CPU ranks (a config it may choose, ranked by predicted speed)."""
     heap_limit_mib: int = num(-1, ge=-1)
     """CPU ranks on tcmalloc: a ceiling on its page heap (gperftools' tcmalloc.heap_limit_mb), set in each rank once
-    the engine is built and a checkpoint, if any, resumed. -1: the rank's bound from the gate less what it holds
-    outside the heap, so its peak RSS stays under the figure the launch was let through on: tcmalloc returns free
-    spans to the OS rather than grow past it (its heap otherwise keeps what the allocation order leaves free, and
-    grows for several steps). Free while the heap stays under it; a rank held at it re-faults what it returned
-    (10-21% slower steps measured on two ranks held 1.5-18% under their natural peak). 0: no ceiling. N: N MiB of heap (the
+    the engine is built and a checkpoint, if any, resumed. -1: the rank's share of the host's RAM (its capacity:
+    available RAM capped by the cgroup, per rank), or its bound from the gate where that is higher, less what it
+    holds outside the heap: tcmalloc returns free spans to the OS rather than grow the rank past it (its heap
+    otherwise keeps what the allocation order leaves free, and grows for several steps), so placement alone cannot
+    run the node out of RAM. Free while the heap stays under it; a rank held at it re-faults what it returned
+    (10-21% slower steps measured on two ranks held 1.5-18% under their natural peak), which is why it is not the
+    bound itself. 0: no ceiling. N: N MiB of heap (refused if below the tensors a rank holds at its peak; the
     gate's figures stay those of the unheld heap). Live memory above the ceiling fails as an out-of-memory error
     (the supervisor retries with a smaller micro-batch). A TCMALLOC_HEAP_LIMIT_MB you set wins."""
     expandable_segments: bool = True

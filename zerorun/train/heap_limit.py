@@ -1,12 +1,15 @@
-"""A ceiling on a CPU rank's tcmalloc page heap at the gate's bound (launcher.heap_limit_mib).
+"""A ceiling on a CPU rank's tcmalloc page heap (launcher.heap_limit_mib): its share of the host's RAM, never
+below the gate's bound.
 
 tcmalloc keeps freed spans for reuse and grows its heap when no free span fits the next block, so over a step's
 allocation order the heap can hold far more than the live tensors, and it grows for several steps: a GPT-2
 small rank (ZeRO-0, fp32, micro 5 x 144) peaked at 2,094 MiB live but 3,110 MiB resident at step 3 and 3,230 at
 step 5 (docs/memory.md §5.7). gperftools' heap limit (``tcmalloc.heap_limit_mb``, settable at run time) makes
-the page heap return free spans to the OS before it grows past the ceiling. Set at the rank's bound less what the
-rank holds outside the heap, the resident set stays under the figure the gate decided on whatever the placement;
-only live memory above it fails, as an out-of-memory error the supervisor answers with a smaller micro-batch.
+the page heap return free spans to the OS before it grows past the ceiling, and fails an allocation only when
+live memory alone needs more: an out-of-memory error the supervisor answers with a smaller micro-batch. Holding a
+rank costs the churn of returning and re-faulting spans (10-21% slower steps measured), so the ceiling sits where
+the rank would otherwise take RAM the node does not have (its capacity in estimate.json: available RAM, capped by
+the cgroup, per rank), or at its bound where that is higher (gate=warn or off let it past the capacity).
 """
 from __future__ import annotations
 
@@ -24,14 +27,17 @@ USERS_ENV = "TCMALLOC_HEAP_LIMIT_MB"
 """gperftools reads this at start-up: a limit the user set wins, as their LD_PRELOAD does."""
 
 
-def ceiling_bytes(setting_mib: int, bound: Optional[int], resident: int, heap_resident: int) -> int:
-    """The heap limit for ``launcher.heap_limit_mib`` (0: none; -1: the rank's ``bound`` less what is resident
-    outside the heap now: the interpreter, libraries, mapped files), in bytes, 0 for none. Pure."""
+def ceiling_bytes(setting_mib: int, bound: Optional[int], capacity: Optional[int], resident: int,
+                  heap_resident: int) -> int:
+    """The heap limit for ``launcher.heap_limit_mib`` in bytes, 0 for none. 0: none; N: N MiB; -1: the larger of
+    the rank's ``bound`` and its ``capacity`` (its share of the host's RAM), less what is resident outside the heap
+    now (the interpreter, libraries, mapped files), so the rank's resident set stays under it. Pure."""
     if setting_mib > 0:
         return setting_mib * MIB
-    if setting_mib == 0 or not bound:
+    target = max(bound or 0, capacity or 0)
+    if setting_mib == 0 or not target:
         return 0
-    return max(MIB, bound - max(0, resident - heap_resident))
+    return max(MIB, target - max(0, resident - heap_resident))
 
 
 class Tcmalloc:
@@ -79,13 +85,16 @@ def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optio
     if tc is None:
         return {"limit_bytes": 0, "why": "tcmalloc is not this rank's allocator"}
     resident, heap = resident_bytes(), tc.heap_resident()
-    limit = ceiling_bytes(setting_mib, rank_figures(estimate, rank, stage)[1], resident, heap)
+    bound = rank_figures(estimate, rank, stage)[1]
+    capacity = estimate.get("device_capacity_bytes", 0) if str(estimate.get("device", "")).startswith("cpu") else 0
+    limit = ceiling_bytes(setting_mib, bound, capacity, resident, heap)
     live = tc.get("generic.current_allocated_bytes")
     if not limit:
-        return {"limit_bytes": 0, "why": "no bound in estimate.json"}
+        return {"limit_bytes": 0, "why": "no bound or capacity in estimate.json"}
     if limit <= live:  # the bound is already passed by live memory: a ceiling would only fail the first step
         return {"limit_bytes": 0, "why": f"{live / MIB:.0f} MiB already live, above the ceiling of {limit / MIB:.0f}"}
     if not tc.set_limit(limit):
         return {"limit_bytes": 0, "why": "tcmalloc refused tcmalloc.heap_limit_mb"}
-    return {"limit_bytes": limit, "outside_heap_bytes": max(0, resident - heap),
-            "why": f"launcher.heap_limit_mib={setting_mib}" if setting_mib > 0 else "the gate's bound"}
+    why = (f"launcher.heap_limit_mib={setting_mib}" if setting_mib > 0 else
+           "the rank's share of host RAM" if (capacity or 0) >= (bound or 0) else "the gate's bound")
+    return {"limit_bytes": limit, "outside_heap_bytes": max(0, resident - heap), "why": why}

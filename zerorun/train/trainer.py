@@ -124,10 +124,10 @@ class Trainer:
         seed_everything(cfg.seed + 1000 * (self.rank + 1))
 
     def hold_heap(self) -> None:
-        """Hold a CPU rank's tcmalloc heap under its bound (launcher.heap_limit_mib), from here to the end: after
-        the build and a resume, whose load holds a second copy of the states for a moment (torch.load, then
-        copied into place) that the estimate's training phases do not count."""
-        if self.plan.world.accelerator == "cpu":  # the resident set the gate's bound is on (GPU: device memory)
+        """Hold a CPU rank's tcmalloc heap under its share of host RAM (launcher.heap_limit_mib) from here to the
+        end: after the build and a resume, whose load holds a second copy of the states for a moment (torch.load,
+        then copied into place) that the estimate's training phases do not count."""
+        if self.plan.world.accelerator == "cpu":  # what runs out is host RAM (GPU ranks: device memory)
             self.heap_limit = heap_limit.apply(self.cfg.launcher.heap_limit_mib, self.run_dir.read_estimate() or {},
                                                self.rank, self.engine.stage_id if self.strategy.pipeline else None)
 
