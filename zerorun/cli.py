@@ -87,6 +87,16 @@ def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
     return cfg
 
 
+def _heap_ceiling_note(cfg: RunConfig, world: World, alloc) -> str:
+    """The allocator line's word on the ceiling CPU ranks put on their tcmalloc heap (train/heap_limit.py)."""
+    n = cfg.launcher.heap_limit_mib
+    if world.accelerator != "cpu" or alloc.name != Allocator.tcmalloc or n == 0 \
+            or os.environ.get("TCMALLOC_HEAP_LIMIT_MB"):
+        return ""
+    held = "each rank's share of host RAM" if n < 0 else f"{n} MiB"
+    return f"; heap held under {held} (launcher.heap_limit_mib)"
+
+
 def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir):
     """The memory gate on the hardware to plan for (``hardware.*`` declared, else this machine):
     (the config to launch, the decision). Declared sizes feed the gate only, so a CPU box never launches
@@ -103,9 +113,7 @@ def gated(cfg: RunConfig, world: World, hw: Hardware, prepared, run_dir: RunDir)
         glibc_mmap = world.accelerator == "cpu" and alloc.name == Allocator.glibc and cfg.launcher.mmap_threshold_mib is None
         say(("CPU ranks' allocator: " if world.accelerator == "cpu" else "allocator: ") + alloc.why
             + ("; mmap threshold 1 MiB (freed activations go back to the OS)" if glibc_mmap else "")
-            + ("; heap held under each rank's share of host RAM (launcher.heap_limit_mib)" if world.accelerator == "cpu"
-               and alloc.name == Allocator.tcmalloc and cfg.launcher.heap_limit_mib == -1
-               and not os.environ.get("TCMALLOC_HEAP_LIMIT_MB") else ""))
+            + _heap_ceiling_note(cfg, world, alloc))
     if here and not cfg.dry_run and cfg.gate != GateMode.off:
         from .process_probe import micro_config
 

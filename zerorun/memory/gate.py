@@ -231,8 +231,8 @@ def _ceiling_below_tensors(cfg: RunConfig, est: Estimate) -> Optional[str]:
         return None
     return (f"launcher.heap_limit_mib={ceiling} holds each CPU rank's tcmalloc heap under {ceiling} MiB, but its "
             f"tensors alone reach {tensors / 2**20:,.0f} MiB at the peak ({est.peak_phase}): the first step would "
-            f"fail. Fix: launcher.heap_limit_mib={-(-int(1.1 * tensors) // 2**20)} (the tensors and 10%), -1 (the "
-            "gate's bound) or 0 (no ceiling).")
+            f"fail. Fix: launcher.heap_limit_mib={-(-int(1.1 * tensors) // 2**20)} (the tensors and 10%), -1 (each "
+            "rank's share of host RAM) or 0 (no ceiling).")
 
 
 def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:

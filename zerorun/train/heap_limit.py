@@ -41,7 +41,7 @@ def ceiling_bytes(setting_mib: int, bound: Optional[int], capacity: Optional[int
 
 
 class Tcmalloc:
-    """gperftools' MallocExtension C API in this process (None where tcmalloc is not what runs)."""
+    """gperftools' MallocExtension C API in this process (``here()``: None where tcmalloc is not what runs)."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL(None)
@@ -91,7 +91,7 @@ def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optio
     live = tc.get("generic.current_allocated_bytes")
     if not limit:
         return {"limit_bytes": 0, "why": "no bound or capacity in estimate.json"}
-    if limit <= live:  # the bound is already passed by live memory: a ceiling would only fail the first step
+    if limit <= live:  # live memory already passes it: a ceiling would only fail the first step
         return {"limit_bytes": 0, "why": f"{live / MIB:.0f} MiB already live, above the ceiling of {limit / MIB:.0f}"}
     if not tc.set_limit(limit):
         return {"limit_bytes": 0, "why": "tcmalloc refused tcmalloc.heap_limit_mb"}
