@@ -89,9 +89,10 @@ def checked(cfg: RunConfig, world: World, *, weights: bool = True) -> RunConfig:
 
 def _heap_ceiling_note(cfg: RunConfig, world: World, alloc) -> str:
     """The allocator line's word on the ceiling CPU ranks put on their tcmalloc heap (train/heap_limit.py)."""
+    from .train import heap_limit
+
     n = cfg.launcher.heap_limit_mib
-    if world.accelerator != "cpu" or alloc.name != Allocator.tcmalloc or n == 0 \
-            or os.environ.get("TCMALLOC_HEAP_LIMIT_MB"):
+    if not heap_limit.applies(n, world.accelerator, alloc.name):
         return ""
     held = "each rank's share of host RAM" if n < 0 else f"{n} MiB"
     return f"; heap held under {held} (launcher.heap_limit_mib)"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from .config.schema import Allocator
 from .hardware import GIB
+from .train import heap_limit
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 USAGE = __doc__.split("\n\n")[1].strip() + "\n    --plot=FILE.png draws the rows as stacked bars (capacity as a line)"
@@ -87,8 +87,8 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                  "(each term's uncertainty, docs/memory.md §5.6; fits = the bound fits"
                  + ("; CPU ranks on tcmalloc hold their heap under their capacity, never below this, while they run:"
                     " launcher.heap_limit_mib, §5.7"
-                    if hw.accelerator == "cpu" and Allocator(cfg.launcher.allocator) == Allocator.tcmalloc
-                    and cfg.launcher.heap_limit_mib == -1 else "")
+                    if cfg.launcher.heap_limit_mib == -1
+                    and heap_limit.applies(-1, hw.accelerator, cfg.launcher.allocator) else "")
                  + "). adamw8bit peak: the same row with "
                  "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload). pred. s/step: "
                  f"the step-time model autofit ranks by ({'measured on a CPU machine' if hw.accelerator == 'cpu' else 'GPU priors'}"

@@ -84,3 +84,12 @@ def test_an_explicit_ceiling_below_the_tensors_is_refused_before_launch_with_a_c
     assert decide("launcher.heap_limit_mib=-1").ok and decide("launcher.heap_limit_mib=0").ok
     glibc = decide("launcher.heap_limit_mib=100", "launcher.allocator=glibc")
     assert glibc.ok  # no tcmalloc heap to hold: the setting does nothing there
+
+
+def test_a_ceiling_applies_to_cpu_ranks_on_tcmalloc_only_and_not_over_the_users_own():
+    assert heap_limit.applies(-1, "cpu", "tcmalloc", environ={})
+    assert heap_limit.applies(300, "cpu", "tcmalloc", environ={})
+    assert not heap_limit.applies(0, "cpu", "tcmalloc", environ={})
+    assert not heap_limit.applies(-1, "cuda", "tcmalloc", environ={})
+    assert not heap_limit.applies(-1, "cpu", "glibc", environ={})
+    assert not heap_limit.applies(-1, "cpu", "tcmalloc", environ={"TCMALLOC_HEAP_LIMIT_MB": "4096"})

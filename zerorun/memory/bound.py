@@ -21,7 +21,7 @@ from typing import Dict, Mapping
 
 from ..config.rules import CPU_MMAP_THRESHOLD
 from ..config.schema import Allocator
-from .priors import OVERHEADS
+from .priors import counted_bytes
 
 COUNTED = 0.04
 """Tensor level: the allocator peak within median 0.04%, worst 4.0% (tests/integration/test_memory_validation.py)."""
@@ -58,7 +58,7 @@ def term_widths(components: Mapping[str, int], *, accelerator: str, process_meas
     """Each uncertain part of the figure, in bytes on the high side: the counted tensors together, then every
     other term on its own. ``placement``: what a preloaded allocator's heap may hold beyond its term for where
     blocks land (page_heap.placement_bytes)."""
-    counted = sum(v for k, v in components.items() if k not in OVERHEADS)
+    counted = counted_bytes(components)
     widths: Dict[str, int] = {"counted tensors": int(COUNTED * counted)}
     for name, width in PRIORS.items():
         if components.get(name):

@@ -17,7 +17,7 @@ from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
 from .ladder import Change, apply, candidates, has_bitsandbytes
-from .priors import DEFAULT_CALIBRATION, OVERHEADS, Calibration
+from .priors import DEFAULT_CALIBRATION, Calibration, counted_bytes
 
 
 @dataclass
@@ -226,7 +226,7 @@ def _ceiling_below_tensors(cfg: RunConfig, est: Estimate) -> Optional[str]:
     ceiling = cfg.launcher.heap_limit_mib
     if ceiling <= 0 or not est.device.startswith("cpu") or est.summary.get("allocator") != "tcmalloc":
         return None
-    tensors = sum(v for k, v in est.components.items() if k not in OVERHEADS)
+    tensors = counted_bytes(est.components)
     if ceiling * 2**20 >= tensors:
         return None
     return (f"launcher.heap_limit_mib={ceiling} holds each CPU rank's tcmalloc heap under {ceiling} MiB, but its "

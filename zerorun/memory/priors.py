@@ -4,7 +4,7 @@ stored under. Priors until something measures them; the bound (bound.py) gives e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 from ..config import Dtype, OffloadDevice, ParallelMode, Plan, RunConfig
 from ..allocators import memory_mode
@@ -81,6 +81,11 @@ PAGE_HEAP_TERM = "page heap (preloaded allocator)"
 """The CPU-rank term of tcmalloc, jemalloc or mimalloc: free spans kept resident (memory/page_heap.py)."""
 OVERHEADS = ("allocator margin", "CUDA context", "NCCL buffers", "process runtime", RUNTIME_TERM,
              "heap retention", PAGE_HEAP_TERM, "measured correction (this machine)")
+
+
+def counted_bytes(components: Mapping[str, int]) -> int:
+    """The tensors a figure counts byte by byte (states, activations, buffers): its components less OVERHEADS."""
+    return sum(v for k, v in components.items() if k not in OVERHEADS)
 
 
 RUNTIME_OVERHEAD = "runtime-overhead"  # calibration.json keys of measured runtime overheads

@@ -19,6 +19,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from ..allocators import running
 from ..config.schema import Allocator
+from ..telemetry import rss_status
 from .memory_report import rank_figures
 
 MIB = 2**20
@@ -68,9 +69,11 @@ class Tcmalloc:
         return bool(self._set(PROPERTY, -(-limit // MIB)))
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+def applies(setting_mib: int, accelerator: str, allocator, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether CPU ranks on ``allocator`` will set a ceiling: tcmalloc, a setting other than 0, and no
+    TCMALLOC_HEAP_LIMIT_MB of the user's (the launch line and zerorun-estimate say so where it does). Pure."""
+    return (accelerator == "cpu" and Allocator(allocator) == Allocator.tcmalloc and setting_mib != 0
+            and not environ.get(USERS_ENV))
 
 
 def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optional[int] = None,
@@ -84,7 +87,7 @@ def apply(setting_mib: int, estimate: Mapping[str, Any], rank: int, stage: Optio
     tc = Tcmalloc.here()
     if tc is None:
         return {"limit_bytes": 0, "why": "tcmalloc is not this rank's allocator"}
-    resident, heap = resident_bytes(), tc.heap_resident()
+    resident, heap = rss_status().get("VmRSS", 0), tc.heap_resident()
     bound = rank_figures(estimate, rank, stage)[1]
     capacity = estimate.get("device_capacity_bytes", 0) if str(estimate.get("device", "")).startswith("cpu") else 0
     limit = ceiling_bytes(setting_mib, bound, capacity, resident, heap)

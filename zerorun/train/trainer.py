@@ -80,7 +80,7 @@ class Trainer:
         import_model_code(model_code(self.cfg.model))
         self.stop = interrupts.StopFlag(run_dir.path, dist)  # a signal from here on stops at a step boundary
         self.rss = RssMilestones()
-        self.heap_limit: Dict[str, Any] = {}  # the ceiling on a CPU rank's tcmalloc heap, once built (heap_limit.py)
+        self.heap_limit: Dict[str, Any] = {}  # the ceiling on a CPU rank's tcmalloc heap (hold_heap)
         self.rss.mark("ready")  # every import and the process group, no tensor yet: the process baseline
 
     # ------------------------------------------------------------------ setup
