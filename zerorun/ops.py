@@ -123,10 +123,15 @@ def deepspeed_arch_list(value: str) -> str:
 
 def set_build_flags() -> None:
     """The host compiler flags of the ops zerorun loads (class-level, once per process): no ``-g``, async_io's
-    units on a precompiled header, and a TORCH_CUDA_ARCH_LIST DeepSpeed can parse. torch rebuilds a JIT op whose
-    flags changed, so every process that loads ops from zerorun's extensions folder calls this before the first
-    load: the prebuild, and each rank as it starts (train.trainer.init_distributed)."""
+    units on a precompiled header, and a TORCH_CUDA_ARCH_LIST DeepSpeed can parse; and torch's build lock with its
+    owner written in (``owned_baton``). torch rebuilds a JIT op whose flags changed, so every process that loads
+    ops from zerorun's extensions folder calls this before the first load: the prebuild, and each rank as it
+    starts (train.trainer.init_distributed)."""
+    import torch.utils.cpp_extension as ext
     from deepspeed.accelerator import get_accelerator
+
+    if not getattr(ext.FileBaton, "zerorun", False):
+        ext.FileBaton = owned_baton(lambda line: print(f"zerorun: {line}", file=sys.stderr, flush=True))
 
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
@@ -200,6 +205,80 @@ def precompile_header(build_dir: str, name: str, log: Callable[[str], None]) -> 
     return where
 
 
+def _owner(path: str) -> str:
+    """Who holds a build lock: '<pid> <start time>' written by ``OwnedBaton``, '' for torch's own (empty)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _me() -> str:
+    import psutil
+
+    return f"{os.getpid()} {psutil.Process().create_time():.2f}"
+
+
+def stale(path: str) -> bool:
+    """Whether a build lock's owner has died: its pid gone, or reused by a process that started at another time.
+    A lock with no owner written (torch's own, or one just created) is never stale: it is waited on."""
+    import psutil
+
+    owner = _owner(path).split()
+    if len(owner) != 2:
+        return False
+    try:
+        return f"{psutil.Process(int(owner[0])).create_time():.2f}" != owner[1]
+    except (psutil.NoSuchProcess, ValueError):
+        return True
+
+
+def owned_baton(log: Callable[[str], None]):
+    """torch's JIT build lock (cpp_extension's FileBaton: a file created exclusively, removed when the build or
+    load ends, waited on while it exists) with its owner written into it. A build stopped by Ctrl-C or a kill
+    leaves the file behind, and every later load of that op (the prebuild's, each rank's) would wait on it
+    forever, silently; a lock whose owner has died is removed, with one line, and the op built."""
+    from torch.utils.file_baton import FileBaton
+
+    class OwnedBaton(FileBaton):
+        def try_acquire(self):
+            while True:
+                try:  # torch's exclusive create, open for writing the owner
+                    self.fd = os.open(self.lock_file_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    if not self._took_over():
+                        return False
+                    continue
+                os.write(self.fd, _me().encode())
+                return True
+
+        def wait(self):
+            """Until the owner ends, or dies: then its op is not built, torch's import after this fails, and a
+            rerun builds it (the lock is gone)."""
+            t0, warned = time.monotonic(), False
+            while os.path.exists(self.lock_file_path) and not self._took_over():
+                time.sleep(self.wait_seconds)
+                if not warned and time.monotonic() - t0 > 60:
+                    warned = True
+                    log(f"waiting on {self.lock_file_path}, held by {_owner(self.lock_file_path) or 'a torch build'}"
+                        " for a minute: if no build of it is running, remove that file")
+
+        def _took_over(self) -> bool:
+            if not stale(self.lock_file_path):
+                return False
+            log(f"removed {self.lock_file_path}: its build (pid {_owner(self.lock_file_path).split()[0]}) "
+                "stopped before it ended")
+            try:
+                os.remove(self.lock_file_path)
+            except FileNotFoundError:
+                pass
+            return True
+
+    OwnedBaton.zerorun = True
+    return OwnedBaton
+
+
 def build_with_precompiled_header(log: Callable[[str], None]) -> None:
     """Have torch's JIT build (this process's) precompile the header of a ``PCH_OPS`` op right before ninja
     compiles it, and remove it after. torch.utils.cpp_extension._run_ninja_build is the one step between
@@ -256,8 +335,11 @@ def ensure(ops: Sequence[Tuple[str, str]], accelerator: str, log: Callable[[str]
         with open(log_path, "w") as out:
             rc = subprocess.run([sys.executable, "-m", "zerorun.prebuild", name], env=child, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
+        for line in lines:  # a lock left by a stopped build, taken over (owned_baton): say so here too
+            if line.startswith("zerorun: removed "):
+                log(line[len("zerorun: "):])
         if rc != 0 or not built(name, ext_dir):
-            lines = [ln for ln in open(log_path, errors="replace").read().splitlines() if ln.strip()]
             raise UserError(
                 f"DeepSpeed's {name} op (needed for {why}) did not build: {lines[-1].strip() if lines else f'exit {rc}'}"
                 f" (whole log: {log_path}).",

@@ -3,6 +3,7 @@ subprocess, so not a unit test), and the precompiled header async_io's units sha
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +68,26 @@ def test_the_header_is_precompiled_with_the_units_own_flags_and_only_when_ninja_
     (tmp_path / "args.txt").unlink()  # so no ~70 s header compile
     assert ops.precompile_header(str(build), "async_io", lines.append) is None
     assert not (tmp_path / "args.txt").exists()
+
+
+def test_a_build_stopped_by_a_kill_does_not_hang_the_next_load_of_its_op():
+    """A kill (or Ctrl-C) while an op builds leaves torch's lock file in its folder, and every later load of the
+    op, the prebuild's and each rank's (torch takes the lock even to load a built one), waited on it forever."""
+    ext_dir = ops.extensions_dir_in_use()
+    if not ops.built("cpu_adam", ext_dir):
+        pytest.skip("cpu_adam is not built here (make ops)")
+    lock = os.path.join(ext_dir, "cpu_adam", "lock")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": ext_dir}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, torch.utils.cpp_extension as ext; from zerorun import ops; "
+         "ops.set_build_flags(); assert ext.FileBaton(sys.argv[1]).try_acquire(); print('held', flush=True); "
+         "time.sleep(600)", lock], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline() == "held\n"
+    holder.kill()
+    holder.wait()
+    assert os.path.exists(lock)  # what the kill leaves
+    done = subprocess.run([sys.executable, "-m", "zerorun.prebuild", "cpu_adam"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"removed {lock}: its build (pid {holder.pid}) stopped before it ended" in done.stderr
+    assert not os.path.exists(lock)

@@ -98,3 +98,36 @@ def test_an_op_built_with_other_flags_is_not_built(tmp_path, name, flags, is_bui
 ])
 def test_deepspeed_arch_list(value, expected):
     assert ops.deepspeed_arch_list(value) == expected
+
+
+def test_a_build_lock_whose_owner_died_is_taken_over_and_said(tmp_path):
+    """A build stopped by Ctrl-C leaves torch's lock file; the next load takes it over instead of waiting forever."""
+    lines = []
+    baton = ops.owned_baton(lines.append)
+    lock = tmp_path / "lock"
+    pid = ops._me().split()[0]
+    lock.write_text(f"{pid} 12.00")  # this pid, another start time: a process that has ended, its pid reused
+    assert ops.stale(str(lock))
+    held = baton(str(lock))
+    assert held.try_acquire()
+    assert lock.read_text() == ops._me() and lines == [f"removed {lock}: its build (pid {pid}) stopped before it ended"]
+    held.release()
+    assert not lock.exists()
+
+
+def test_a_live_or_unowned_build_lock_is_waited_on(tmp_path):
+    """A lock whose owner runs, and torch's own (no owner written: a process without zerorun's lock), are held."""
+    baton = ops.owned_baton(lambda line: None)
+    live = baton(str(tmp_path / "lock"))
+    assert live.try_acquire() and not baton(str(tmp_path / "lock")).try_acquire()
+    live.release()
+    (tmp_path / "lock").write_text("")
+    assert not ops.stale(str(tmp_path / "lock")) and not baton(str(tmp_path / "lock")).try_acquire()
+
+
+def test_waiting_ends_when_the_owner_dies(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("999999999 1.00")  # no such pid
+    t0 = time.monotonic()
+    ops.owned_baton(lambda line: None)(str(lock)).wait()
+    assert not lock.exists() and time.monotonic() - t0 < 5
