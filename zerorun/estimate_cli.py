@@ -37,7 +37,8 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         f"{m.name} ({rows[0][1].summary['task']}): {rows[0][1].params:,} parameters · "
         f"{Dtype(cfg.precision.dtype).value} · micro-batch "
         f"{tr.micro_batch_size} × seq {cfg.data.seq_len} · activation checkpointing "
-        f"{'on' if tr.activation_checkpointing else 'off'} · {world.size} rank(s) = {world.nnodes} node(s) × "
+        f"{'on' if tr.activation_checkpointing else 'off'}{' · fused loss' if tr.fused_loss else ''} · "
+        f"{world.size} rank(s) = {world.nnodes} node(s) × "
         f"{world.nproc_per_node} · global batch {plan.global_batch_size} "
         f"(accumulation {plan.grad_accum_steps})",
         f"hardware: {hw.describe()}",
@@ -93,6 +94,9 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
                  "optimizer=adamw8bit (8-bit states, ~2 instead of 8 bytes per parameter; not with NVMe offload). pred. s/step: "
                  f"the step-time model autofit ranks by ({'measured on a CPU machine' if hw.accelerator == 'cpu' else 'GPU priors'}"
                  "; zerorun/speed.py).")
+    if any(label.endswith(" ¹") for label, *_ in rows):
+        lines.append("¹ the model's own loss: trainer.fused_loss runs at ZeRO-0/1/2 (ZeRO-3 keeps the head's weight "
+                     "partitioned outside its forward).")
     if cfg.hardware.host_mem_gib is None and cfg.hardware.gpus_per_node:
         lines.append(f"host RAM {_gib(hw.host_mem_bytes)} per node is this machine's; declare hardware.host_mem_gib "
                      "to plan for another.")

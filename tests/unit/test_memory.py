@@ -321,9 +321,16 @@ def test_gate_strict_refuses_with_top_consumers_and_a_fix(gpus):
     if gpus == 1:  # the optimizer to the host, and micro 1 × 8 accumulation steps (as autofit, below)
         assert d.suggestion == ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", "zero=stage1",
                                 "offload=cpu"]
-    else:  # ZeRO-1 spreads the optimizer states over 8 ranks; micro 8 needs recomputation under the bound, whose
-        # GPU terms are priors (context, NCCL, margin) until a GPU calibration measures them
-        assert d.suggestion == ["trainer.activation_checkpointing=true", "zero=stage1"]
+    else:  # the fused loss drops the fp32 logits (3 × 8 × 1024 × 50,257 × 4 B), and the speed model ranks micro 2
+        # with ZeRO-2 and the optimizer on the host 5% ahead of recomputing micro 8 at ZeRO-1
+        assert d.suggestion == ["trainer.micro_batch_size=2", "trainer.global_batch_size=64", "zero=stage2",
+                                "offload=cpu", "trainer.fused_loss=true"]
+        # Without it (trainer.fused_loss=false: never): ZeRO-1 spreads the optimizer states over 8 ranks; micro 8
+        # needs recomputation under the bound, whose GPU terms are priors (context, NCCL, margin) until a GPU
+        # calibration measures them
+        unfused = gate(composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}", "trainer.fused_loss=false"), world, hw,
+                       GateMode.strict)
+        assert unfused.suggestion == ["trainer.activation_checkpointing=true", "zero=stage1"]
         fixed_segments = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}", "launcher.expandable_segments=false")
         fixed_gate = gate(fixed_segments, world, hw, GateMode.strict)
         assert fixed_gate.suggestion == d.suggestion
@@ -349,12 +356,14 @@ def test_autofit_fits_and_keeps_the_global_batch(gpus):
     # The fastest fit under the bound. One 16 GiB GPU cannot partition GPT-2 large's 12.4 GB of fp32 states, and
     # what the GPU holds beyond them (context, margin) leaves too little: the optimizer goes to the CPU, and
     # micro-batch 1 (a 1024-token micro-batch keeps a GPU busy) with the global batch pinned runs faster than
-    # recomputing micro-batch 8. On 8, ZeRO-1 spreads the states and checkpointing keeps micro-batch 8.
+    # recomputing micro-batch 8. On 8, without the logits (the fused loss) micro-batch 2 fits at ZeRO-2 with the
+    # optimizer on the host.
     keys = {c.key for c in d.changes}
     if gpus == 1:
         assert keys == {"trainer.micro_batch_size", "trainer.global_batch_size", "zero.stage", "offload.device"}
     else:
-        assert keys == {"trainer.activation_checkpointing", "zero.stage"}
+        assert keys == {"trainer.micro_batch_size", "trainer.global_batch_size", "zero.stage", "offload.device",
+                        "trainer.fused_loss"}
 
 
 def test_autofit_prefers_micro_batch_then_checkpointing():
@@ -364,9 +373,16 @@ def test_autofit_prefers_micro_batch_then_checkpointing():
     world = plan_world(cfg, hw)
     d = gate(cfg, world, hw, GateMode.autofit)
     assert d.ok
-    # Only the micro-batch moves, to the largest one that fits without checkpointing.
+    # Only the micro-batch moves, to the largest one that fits without checkpointing, with the fused loss (no
+    # logits), which costs no speed.
     mb = d.cfg.trainer.micro_batch_size
-    assert d.overrides == [f"trainer.micro_batch_size={mb}", "trainer.global_batch_size=128"]
+    assert d.overrides == [f"trainer.micro_batch_size={mb}", "trainer.global_batch_size=128", "trainer.fused_loss=true"]
+    unfused = gate(composed("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024",
+                            "trainer.micro_batch_size=16", "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=10",
+                            "hardware.host_mem_gib=256", "trainer.fused_loss=false"), world, hw, GateMode.autofit)
+    assert unfused.overrides == [f"trainer.micro_batch_size={unfused.cfg.trainer.micro_batch_size}",
+                                 "trainer.global_batch_size=128"]
+    assert unfused.cfg.trainer.micro_batch_size < mb  # the logits were what held the micro-batch down
     bigger = dataclasses.replace(d.cfg, trainer=dataclasses.replace(d.cfg.trainer, micro_batch_size=2 * mb))
     assert not estimate(bigger, world, hw).fits
     # With less memory still, checkpointing comes in before any ZeRO or offload change.

@@ -108,7 +108,8 @@ def test_autofit_beats_the_fixed_ladder_where_a_larger_micro_batch_is_worth_a_ch
     # stopped at ZeRO-1 with micro-batch 1; the step-time model keeps a larger micro-batch (recomputation costs
     # a third of the layers' compute; 64 micro-batches of 1 token row cost overhead and GPU efficiency).
     cfg = composed("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
-                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=13", "hardware.host_mem_gib=256", "gate=autofit")
+                   "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=13", "hardware.host_mem_gib=256", "gate=autofit",
+                   "trainer.fused_loss=false")  # (the ladder without the fused loss, whose micro-batch it raises)
     hw = resolve_hardware(cfg.hardware, None)
     world = plan_world(cfg, hw)
     plan = make_plan(cfg, world)

@@ -12,8 +12,8 @@ from .errors import UserError
 from .fields import field_problems, with_defaults_for
 from .paths import path_problems
 from .plan import World, data_parallel_size, grad_accum_steps
-from .rules import (adapter_problems, lora_target_problems, offload_problems, optimizer_problems, pipeline_problems,
-                    qlora_problems, resolve_task, shape_problems, task_problems, tp_problems)
+from .rules import (adapter_problems, fused_loss_problems, lora_target_problems, offload_problems, optimizer_problems,
+                    pipeline_problems, qlora_problems, resolve_task, shape_problems, task_problems, tp_problems)
 from .schema import AdapterName, Dtype, LauncherName, OffloadDevice, ParallelMode, Rendezvous, RunConfig
 
 
@@ -80,6 +80,9 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
                           value=cfg.data.seq_len))
 
     problems += task_problems(resolve_task(cfg.task.name, m.family), m.family, m.name, cfg.task.num_labels)
+    if tr.fused_loss:
+        problems += fused_loss_problems(resolve_task(cfg.task.name, m.family), z.stage, cfg.parallel.mode, m,
+                                        cfg.adapter)
     problems += _launcher_problems(cfg, world)
     if cfg.parallel.mode == ParallelMode.pipeline:
         problems += pipeline_problems(z.stage) + _pipeline_problems(cfg, world)

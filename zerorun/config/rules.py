@@ -133,6 +133,33 @@ def tp_problems(m, tp_size: int, world_size: int, offload: OffloadDevice) -> Lis
     return out
 
 
+def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapter) -> List[UserError]:
+    """Where ``trainer.fused_loss`` runs (zerorun.train.fused_loss): a causal LM trained with data parallelism at
+    ZeRO-0/1/2, whose loss is the cross-entropy of a plain Linear head on the last hidden state. ZeRO-3 partitions
+    the head's weight outside its module's forward; a pipeline's last stage and AutoTP's sharded head compute the
+    loss in their own modules; a LoRA head is no plain Linear; an MoE model asked for its router loss
+    (output_router_logits) adds a term the fused loss does not compute."""
+    P, key, out = UserError, "trainer.fused_loss", []
+    if TaskName(task) != TaskName.causal_lm:
+        out.append(P(f"trainer.fused_loss=true with task={TaskName(task).value}: it fuses a causal LM's head and "
+                     "loss; a classifier has no vocabulary-wide logits.", "drop trainer.fused_loss.", key=key,
+                     value=True))
+    elif stage == 3 or ParallelMode(mode) != ParallelMode.dp:
+        what = "zero=stage3" if stage == 3 else f"parallel={ParallelMode(mode).value}"
+        out.append(P(f"trainer.fused_loss=true with {what}: the fused loss reads the head's whole weight, which "
+                     f"{what} keeps partitioned or sharded outside the head's own forward.",
+                     "zero=stage2 (or 0/1) with parallel=dp, or drop trainer.fused_loss.", key=key, value=True))
+    if AdapterName(adapter.name).adapts and "lm_head" in (adapter.target_modules or []):
+        out.append(P("trainer.fused_loss=true with lm_head among adapter.target_modules: the fused loss uses the "
+                     "head's own weight, not an adapter on it.", "leave lm_head out of adapter.target_modules, or "
+                     "drop trainer.fused_loss.", key=key, value=True))
+    if (m.hf_config or {}).get("output_router_logits"):
+        out.append(P("trainer.fused_loss=true with output_router_logits=true: the router's load-balancing loss is "
+                     "not computed by the fused loss.", "drop trainer.fused_loss, or output_router_logits.", key=key,
+                     value=True))
+    return out
+
+
 def lora_target_problems(m, adapter) -> List[UserError]:
     """LoRA's target modules against the model's linear layers (zerorun/arch), before anything launches."""
     from ..arch import lora_target_problems as arch_problems

@@ -60,6 +60,10 @@ class Activations:
     """Per in-flight micro-batch: the stage output a pipeline keeps for its backward (not on the last stage)."""
     pipe_buffers: int = 0
     """A pipeline stage's engine buffers that outlive the micro-batch (see ``_stage_view``)."""
+    loss_block: int = 0
+    """The loss's largest fp32 block, for the page heap (memory.page_heap): 0 is one b·s·V logits block."""
+    loss_spans: int = 3
+    """How many such blocks the loss frees (the model's own loss: three b·s·V; the fused loss: one)."""
     small_per_layer: int = 0
     """CPU ranks: bytes of one layer's saved tensors below the mmap threshold (on the heap: §5.4)."""
     small_checkpoint: int = 0
@@ -293,6 +297,30 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
                        logits_loss=LOSS_BYTES_PER_LOGIT * (t * m.vocab_size if lm else b * num_labels),
                        num_layers=m.num_layers, checkpointing=checkpointing, small_per_layer=small(layer),
                        small_checkpoint=small([kept]), small_outside=small(outside))
+
+
+def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """trainer.fused_loss's tokens per chunk: a power of two whose logits are about the size of the hidden states
+    (Liger-Kernel's rule), so the loss's chunk is no larger than an activation."""
+    per = max(1, -(-tokens // max(1, -(-vocab // hidden))))
+    return min(tokens, 1 << (per - 1).bit_length())
+
+
+def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_trains: bool) -> Activations:
+    """``trainer.fused_loss`` (zerorun.train.fused_loss): no b·s·V logits. The loss transient is one chunk's fp32
+    logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: two fp32 more),
+    and, where the head trains, the fp32 gradient of its weight, held from the loss into backward and there cast
+    to the module's dtype. The last hidden state's gradient, also held, takes the place of the head's saved input
+    in ``outside_layers``."""
+    from ..arch import hf_fields
+
+    V, H = m.vocab_size, m.hidden_size
+    c = fused_chunk_tokens(tokens, H, V)
+    half = e if e != 4 else 0
+    softcap = 8 if hf_fields(m).get("final_logit_softcapping") else 0
+    grad_w = 4 * V * H if head_trains else 0
+    transient = grad_w + max(c * V * (4 + half + softcap), half * V * H if head_trains else 0)
+    return dataclasses.replace(act, logits_loss=transient, loss_block=max(4 * c * V, grad_w), loss_spans=1)
 
 
 def with_lora(act: Activations, adapted, r: int, dropout: float, e: int, tokens: int, accelerator: str) -> Activations:

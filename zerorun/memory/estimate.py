@@ -22,7 +22,7 @@ from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfi
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import layer_linears, lora_targets
-from .activations import DTYPE_BYTES, Activations, activations
+from .activations import DTYPE_BYTES, Activations, activations, with_fused_loss
 from .buffers import backward_buffers
 from .params import ParamBreakdown, model_key, param_breakdown
 from .phases import Phase, step_phases
@@ -139,6 +139,9 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     if bd.quantized:  # each 4-bit layer dequantizes its weight into the compute dtype for forward and backward
         largest = max((i * o for shapes in layer_linears(cfg.model).values() for i, o in shapes), default=0)
         act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
+    if cfg.trainer.fused_loss:
+        act = with_fused_loss(act, cfg.model, plan.micro_batch_size * plan.seq_len,
+                              DTYPE_BYTES[Dtype(cfg.precision.dtype)], head_trains=not bd.lora)
     if tp > 1:
         whole = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
         est = rank_estimate(cfg, plan, hw, cal, bd, act, whole.total, key, tp_gathered=tp_gathered(whole, bd))

@@ -16,7 +16,7 @@ from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMod
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
-from .ladder import Change, apply, candidates, has_bitsandbytes
+from .ladder import Change, apply, candidates, fused_loss_fits, has_bitsandbytes
 from .priors import DEFAULT_CALIBRATION, Calibration, counted_bytes
 
 
@@ -243,7 +243,10 @@ def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
         params = layout.params if layout.stage == 3 and layout.device != OffloadDevice.none else None
         z = dataclasses.replace(cfg.zero, stage=layout.stage)
         o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
-        rows.append((f"{tp}ZeRO-{layout.stage}  offload {layout.label}", dataclasses.replace(cfg, zero=z, offload=o)))
+        row, unfused = dataclasses.replace(cfg, zero=z, offload=o), ""
+        if cfg.trainer.fused_loss and not fused_loss_fits(cfg, layout.stage):  # ZeRO-3: the model's own loss
+            row, unfused = dataclasses.replace(row, trainer=dataclasses.replace(cfg.trainer, fused_loss=False)), " ¹"
+        rows.append((f"{tp}ZeRO-{layout.stage}  offload {layout.label}{unfused}", row))
     return rows
 
 

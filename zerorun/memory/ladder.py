@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple
 from ..allocators import concrete as allocator_of
 from ..config import (AdapterName, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, World, bucket_sizes,
                       data_parallel_size, layouts, params_offloaded, small_bucket_sizes)
-from ..config.rules import CPU_MMAP_THRESHOLD, mmap_threshold_bytes
+from ..config.rules import CPU_MMAP_THRESHOLD, fused_loss_problems, mmap_threshold_bytes, resolve_task
 from ..config.choices import Allocator
 
 
@@ -58,6 +58,8 @@ class Knobs:
     """CPU ranks: launcher.mmap_threshold_mib=1 (freed activations go back to the OS; slower steps)."""
     qlora: bool = False
     """adapter=lora → qlora: the frozen base in 4-bit (only with adapter.autofit_qlora)."""
+    fused: bool = False
+    """trainer.fused_loss=true: a causal LM's loss a chunk of tokens at a time, without vocabulary-wide logits."""
 
 
 def apply(cfg: RunConfig, world: World, k: Knobs, pinned_global: int) -> Tuple[RunConfig, List[Change]]:
@@ -128,6 +130,14 @@ def apply(cfg: RunConfig, world: World, k: Knobs, pinned_global: int) -> Tuple[R
                                   "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
                                   "page faults make steps slower)"))
             new_la = dataclasses.replace(new_la, mmap_threshold_mib=1)
+    if k.fused and not tr.fused_loss:
+        changes.append(Change("trainer.fused_loss", tr.fused_loss, True, "the head and loss a chunk of tokens at a "
+                              "time: no vocabulary-wide fp32 logits (the same FLOPs)"))
+        new_tr = dataclasses.replace(new_tr, fused_loss=True)
+    elif tr.fused_loss and not k.fused:
+        changes.append(Change("trainer.fused_loss", True, False, "ZeRO-3 keeps the head's weight partitioned outside "
+                              "its forward: the model's own loss"))
+        new_tr = dataclasses.replace(new_tr, fused_loss=False)
     new_par = cfg.parallel
     if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
         accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
@@ -159,6 +169,7 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
     may_qlora = cfg.adapter.autofit_qlora and cfg.adapter.name == AdapterName.lora and has_bitsandbytes() \
         and not cfg.adapter.merge
     may_lower_mmap = world.accelerator == "cpu" and _mmap_lowerable(cfg)
+    fuse = (False, True) if tr.fused_loss is None and fused_loss_fits(cfg, 0) else (bool(tr.fused_loss),)
     out = []
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         if layout.stage < z.stage:
@@ -171,23 +182,31 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
         same = params_offloaded(layout.stage, layout.device, off.params) == layout.params
         params = off.params if same else layout.params
         either = (False, True)
-        for opt8, small, ckpt, low, micro, q in itertools.product(
+        for opt8, small, ckpt, low, micro, q, fused in itertools.product(
                 either if may_8bit and layout.device != OffloadDevice.nvme else (False,),
                 either if shrinkable else (False,),
                 either if not tr.activation_checkpointing else (True,),
                 either if may_lower_mmap else (False,),
                 micros,
-                either if may_qlora else (False,)):
-            out.append(Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q))
+                either if may_qlora else (False,),
+                fuse if fused_loss_fits(cfg, layout.stage) else (False,)):
+            out.append(Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q, fused))
     return sorted(out, key=ladder_rank)
 
 
 def ladder_rank(k: Knobs) -> Tuple:
     """The ladder's order, smallest change first: parameter offload, then optimizer offload, 8-bit optimizer
-    states, stage, small buckets, checkpointing, a low mmap threshold (CPU ranks) and a smaller micro-batch each
-    weigh more than everything after them. The runtime OOM repair climbs it; autofit breaks ties with it."""
+    states, stage, small buckets, checkpointing, a low mmap threshold (CPU ranks), a smaller micro-batch and the
+    fused loss (which costs no speed) each weigh more than everything after them. The runtime OOM repair climbs it;
+    autofit breaks ties with it."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
-    return (tier == 2, tier >= 1, k.qlora, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro)
+    return (tier == 2, tier >= 1, k.qlora, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro, k.fused)
+
+
+def fused_loss_fits(cfg: RunConfig, stage: int) -> bool:
+    """Whether ``trainer.fused_loss`` can run with ``cfg`` at ZeRO ``stage`` (config.rules.fused_loss_problems)."""
+    return not fused_loss_problems(resolve_task(cfg.task.name, cfg.model.family), stage, cfg.parallel.mode, cfg.model,
+                                   cfg.adapter)
 
 
 def _mmap_lowerable(cfg: RunConfig) -> bool:
@@ -207,7 +226,7 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
     knobs = [k for k in candidates(cfg, plan.world, pinned) if not k.opt8]
     micro = cfg.trainer.micro_batch_size
     current = Knobs(micro, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
-                    OffloadDevice(cfg.offload.device), cfg.offload.params)
+                    OffloadDevice(cfg.offload.device), cfg.offload.params, fused=bool(cfg.trainer.fused_loss))
     if micro > 1:
         smaller = sorted({k.micro for k in knobs if k.micro <= micro // 2}, reverse=True)
         if smaller:

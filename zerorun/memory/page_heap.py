@@ -40,8 +40,9 @@ ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
 
 
 def fp32_logits_block(act: Activations) -> int:
-    """One fp32 b·s·V block of the loss (LOSS_BYTES_PER_LOGIT counts three of them per logit)."""
-    return act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
+    """One fp32 b·s·V block of the loss (LOSS_BYTES_PER_LOGIT counts three of them per logit); with the fused loss,
+    its largest block (``Activations.loss_block``)."""
+    return act.loss_block or act.logits_loss * 4 // LOSS_BYTES_PER_LOGIT
 
 
 def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_trainable: int) -> int:
@@ -82,10 +83,10 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     return [total // n] * n if total else []
 
 
-def logits_spans_taken(block: int, state_blocks: List[int]) -> int:
-    """How many of the loss's three freed fp32 logits spans of ``block`` bytes the state blocks take, each placed
-    best fit as it is created (what is left of a span stays free for the next)."""
-    spans, taken = [block] * 3, 0
+def logits_spans_taken(block: int, state_blocks: List[int], spans: int = 3) -> int:
+    """How many of the loss's ``spans`` freed fp32 logits spans of ``block`` bytes the state blocks take, each
+    placed best fit as it is created (what is left of a span stays free for the next)."""
+    spans, taken = [block] * spans, 0
     for b in state_blocks:
         fits = [s for s in spans if s >= b]
         if b <= 0 or not fits:
@@ -111,7 +112,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
                all_reduce if all_reduce > freed else 0)
     logits_block = fp32_logits_block(act)
     lazy = lazy_state_blocks(cfg, plan, partition)
-    grown = max(1, logits_spans_taken(logits_block, lazy))
+    grown = max(1, logits_spans_taken(logits_block, lazy, act.loss_spans))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
     after_startup = 0
     if lazy:  # ZeRO-1/2: the step's blocks larger than any freed one on top of the start-up's heap

@@ -1,0 +1,97 @@
+"""``trainer.fused_loss``: a causal LM's loss without its b·s·V logits (docs/memory.md §3.5).
+
+Hugging Face's causal LMs compute the logits of every position over the whole vocabulary, upcast them to fp32 and
+take the cross-entropy: three fp32 b·s·V blocks at the start of backward (memory.activations LOSS_BYTES_PER_LOGIT),
+the largest activation of any model with a 128k-256k vocabulary (Llama 3, Qwen, Gemma: 8 × 2048 tokens × 128k is
+8 GiB each). Here the head runs on a chunk of tokens at a time and each chunk's gradients are computed at once
+(Liger-Kernel's fused linear cross-entropy, in plain PyTorch): the forward keeps the gradient of the last hidden
+state (the size of one activation) and, when the head trains, an fp32 gradient of its weight, and no logits
+beyond one chunk's. The same FLOPs as the model's own loss (one head matmul forward, two backward), so no
+recomputation.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+from ..memory.activations import fused_chunk_tokens
+
+IGNORE_INDEX = -100  # transformers' ForCausalLMLoss
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``softcap(h @ w.T + bias)`` against ``labels`` (IGNORE_INDEX rows left out), with the
+    gradients of ``h``, ``w`` and ``bias`` computed chunk by chunk in forward and scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, bias, labels, chunk: int, softcap: Optional[float]):
+        n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=w.device) \
+            if bias is not None and bias.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for i in range(0, h.shape[0], chunk):
+            hc, lc = h[i:i + chunk], labels[i:i + chunk]
+            z = (hc @ w.t() if bias is None else torch.addmm(bias, hc, w.t())).float()
+            if softcap:  # Gemma's final_logit_softcapping: softcap·tanh(z / softcap)
+                tanh = z.div_(softcap).tanh_()
+                z = tanh * softcap
+            valid = lc != IGNORE_INDEX
+            target = lc.clamp(min=0)
+            lse = torch.logsumexp(z, -1)
+            loss += ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+            g = z.sub_(lse[:, None]).exp_()  # softmax, in the logits' block
+            g[torch.arange(len(lc), device=g.device), target] -= 1
+            g.mul_((valid / n)[:, None])
+            if softcap:
+                g.mul_(1 - tanh.square_())
+            grad_h[i:i + chunk] = g.to(h.dtype) @ w
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), hc.float())
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (w.dtype, bias.dtype if bias is not None else None)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = lambda g, dtype: g.mul_(grad_loss).to(dtype) if g is not None else None  # noqa: E731
+        return grad_h.mul_(grad_loss), scale(grad_w, ctx.dtypes[0]), scale(grad_b, ctx.dtypes[1]), None, None, None
+
+
+def fused_loss(h: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """HF's causal LM loss (labels shifted one left, IGNORE_INDEX ignored, mean over the rest) of ``head`` on the
+    last hidden states ``h`` (b, s, H)."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).to(h.device)
+    flat = h.reshape(-1, h.shape[-1])
+    chunk = fused_chunk_tokens(flat.shape[0], flat.shape[1], head.out_features)
+    return FusedLinearCrossEntropy.apply(flat, head.weight, head.bias, shifted, chunk, softcap)
+
+
+def install(model) -> None:
+    """Make ``model`` (a transformers causal LM, the one peft wraps if any) train with ``fused_loss``: its forward,
+    given labels in training, runs its body (``base_model_prefix``) and the fused loss, and returns the loss with no
+    logits; evaluation and calls without labels run the model's own forward. The head must be a plain Linear (a
+    LoRA or 4-bit head is refused before launch: config.rules.fused_loss_problems)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise RuntimeError(f"trainer.fused_loss: {type(model).__name__}'s output layer is a {type(head).__name__}, "
+                           "not a Linear")
+    own = model.forward
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        if labels is None or not self.training:
+            return own(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        body = getattr(self, self.base_model_prefix)
+        h = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        return CausalLMOutputWithPast(loss=fused_loss(h, self.get_output_embeddings(), labels, softcap))
+
+    model.forward = types.MethodType(forward, model)
