@@ -170,9 +170,9 @@ def draw(rng, data_dir: Path, models=MODELS) -> List[str]:
     return ovs
 
 
-def random_points(n: int, seed: int, data_dir: Path, models=MODELS) -> List[List[str]]:
-    """``n`` configs the rules accept, drawn with ``seed``. What the memory gate then refuses on this machine is
-    reported and skipped by the caller (a user's run would stop there too)."""
+def random_points(n: int, seed: int, data_dir: Path, models=MODELS, extra=()) -> List[List[str]]:
+    """``n`` configs the rules accept, drawn with ``seed`` (``extra`` overrides added to each draw). What the memory
+    gate then refuses on this machine is reported and skipped by the caller (a user's run would stop there too)."""
     import random
 
     from zerorun.config import check, compose, plan_world
@@ -180,7 +180,7 @@ def random_points(n: int, seed: int, data_dir: Path, models=MODELS) -> List[List
 
     rng, hw, out = random.Random(seed), detect(), []
     while len(out) < n:
-        ovs = draw(rng, data_dir, models)
+        ovs = [*draw(rng, data_dir, models), *extra]
         cfg = compose([*BASE, *[o for o in ovs if not o.startswith("data.path")]])
         lora_stage3 = cfg.adapter.name.adapts and cfg.zero.stage == 3  # refused at launch
         if not check(cfg, plan_world(cfg, hw)) and not lora_stage3:
@@ -323,6 +323,8 @@ def main() -> None:
     ap.add_argument("--pin-mmap", type=int, metavar="MIB",
                     help="--random: run every drawn config at this mmap threshold instead of auto's choice")
     ap.add_argument("--allocator", help="launcher.allocator of every run (default: auto, as a user's run)")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="every run with trainer.fused_loss=true (draws where the rules refuse it are redrawn)")
     ap.add_argument("--seed", type=int, help="--random's seed (default: the time, so each run is a new held-out set)")
     ap.add_argument("--models", help="--random: comma-separated model files to draw from (default: "
                                      f"{','.join(MODELS)}; {','.join(DECODERS)} add LoRA draws; arch: a random "
@@ -360,7 +362,8 @@ def main() -> None:
         BASE.pop()  # launcher.mmap_threshold_mib: auto, as a user's run
         if args.pin_mmap is not None:  # the same draws in one fixed mode (what auto would get if it chose it)
             BASE.append(f"launcher.mmap_threshold_mib={args.pin_mmap}")
-        chosen = random_points(args.random, seed, work, tuple(args.models.split(",")) if args.models else MODELS)
+        chosen = random_points(args.random, seed, work, tuple(args.models.split(",")) if args.models else MODELS,
+                               ["trainer.fused_loss=true"] if args.fused_loss else [])
     else:
         chosen = points(args.set, work)
     for i, ovs in enumerate(chosen):

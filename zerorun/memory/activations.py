@@ -299,11 +299,16 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
                        small_checkpoint=small([kept]), small_outside=small(outside))
 
 
+FUSED_MIN_CHUNK = 256
+"""Fewer tokens per chunk make the head's matmuls slow: GPT-2 small's head and loss over 1,024 tokens on one CPU
+core took 4.6 s in chunks of 16 (fp32), 1.8 s in chunks of 256, 2.0 s unfused (benchmarks: docs/memory.md §3.5)."""
+
+
 def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     """trainer.fused_loss's tokens per chunk: a power of two whose logits are about the size of the hidden states
-    (Liger-Kernel's rule), so the loss's chunk is no larger than an activation."""
+    (Liger-Kernel's rule), so the loss's chunk is no larger than an activation, but at least FUSED_MIN_CHUNK."""
     per = max(1, -(-tokens // max(1, -(-vocab // hidden))))
-    return min(tokens, 1 << (per - 1).bit_length())
+    return min(tokens, max(FUSED_MIN_CHUNK, 1 << (per - 1).bit_length()))
 
 
 def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_trains: bool) -> Activations:
