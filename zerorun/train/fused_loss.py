@@ -21,41 +21,49 @@ from ..memory.activations import fused_chunk_tokens
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss
 
 
+def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bool):
+    """Mean cross-entropy of ``softcap(h @ w.T + bias)`` against ``labels`` (IGNORE_INDEX rows left out), one chunk
+    of rows at a time, and with ``grads`` the gradients of ``h`` and of ``w``, ``bias`` where they train (fp32)."""
+    n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    grad_h = torch.empty_like(h) if grads else None
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grads and w.requires_grad else None
+    grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=w.device) \
+        if grads and bias is not None and bias.requires_grad else None
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for i in range(0, h.shape[0], chunk):
+        hc, lc = h[i:i + chunk], labels[i:i + chunk]
+        z = (hc @ w.t() if bias is None else torch.addmm(bias, hc, w.t())).float()
+        if softcap:  # Gemma's final_logit_softcapping: softcap·tanh(z / softcap)
+            tanh = z.div_(softcap).tanh_()
+            z = tanh * softcap
+        valid = lc != IGNORE_INDEX
+        target = lc.clamp(min=0)
+        lse = torch.logsumexp(z, -1)
+        loss += ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+        if not grads:
+            continue
+        g = z.sub_(lse[:, None]).exp_()  # softmax, in the logits' block
+        g[torch.arange(len(lc), device=g.device), target] -= 1
+        g.mul_((valid / n)[:, None])
+        if softcap:
+            g.mul_(1 - tanh.square_())
+        grad_h[i:i + chunk] = g.to(h.dtype) @ w
+        if grad_w is not None:
+            grad_w.addmm_(g.t(), hc.float())
+        if grad_b is not None:
+            grad_b += g.sum(0)
+    return loss / n, grad_h, grad_w, grad_b
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``softcap(h @ w.T + bias)`` against ``labels`` (IGNORE_INDEX rows left out), with the
-    gradients of ``h``, ``w`` and ``bias`` computed chunk by chunk in forward and scaled in backward."""
+    """``_chunked``'s loss, its gradients computed in forward and scaled by the incoming gradient in backward."""
 
     @staticmethod
     def forward(ctx, h, w, bias, labels, chunk: int, softcap: Optional[float]):
-        n = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if w.requires_grad else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=w.device) \
-            if bias is not None and bias.requires_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        for i in range(0, h.shape[0], chunk):
-            hc, lc = h[i:i + chunk], labels[i:i + chunk]
-            z = (hc @ w.t() if bias is None else torch.addmm(bias, hc, w.t())).float()
-            if softcap:  # Gemma's final_logit_softcapping: softcap·tanh(z / softcap)
-                tanh = z.div_(softcap).tanh_()
-                z = tanh * softcap
-            valid = lc != IGNORE_INDEX
-            target = lc.clamp(min=0)
-            lse = torch.logsumexp(z, -1)
-            loss += ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-            g = z.sub_(lse[:, None]).exp_()  # softmax, in the logits' block
-            g[torch.arange(len(lc), device=g.device), target] -= 1
-            g.mul_((valid / n)[:, None])
-            if softcap:
-                g.mul_(1 - tanh.square_())
-            grad_h[i:i + chunk] = g.to(h.dtype) @ w
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), hc.float())
-            if grad_b is not None:
-                grad_b += g.sum(0)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        loss, *grads = _chunked(h, w, bias, labels, chunk, softcap, grads=True)
+        ctx.save_for_backward(*grads)
         ctx.dtypes = (w.dtype, bias.dtype if bias is not None else None)
-        return loss / n
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -66,18 +74,21 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
 def fused_loss(h: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
     """HF's causal LM loss (labels shifted one left, IGNORE_INDEX ignored, mean over the rest) of ``head`` on the
-    last hidden states ``h`` (b, s, H)."""
+    last hidden states ``h`` (b, s, H); without gradients (evaluation) the loss alone, chunk by chunk."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).to(h.device)
     flat = h.reshape(-1, h.shape[-1])
     chunk = fused_chunk_tokens(flat.shape[0], flat.shape[1], head.out_features)
+    if not torch.is_grad_enabled():
+        return _chunked(flat, head.weight, head.bias, shifted, chunk, softcap, grads=False)[0]
     return FusedLinearCrossEntropy.apply(flat, head.weight, head.bias, shifted, chunk, softcap)
 
 
 def install(model) -> None:
     """Make ``model`` (a transformers causal LM, the one peft wraps if any) train with ``fused_loss``: its forward,
-    given labels in training, runs its body (``base_model_prefix``) and the fused loss, and returns the loss with no
-    logits; evaluation and calls without labels run the model's own forward. The head must be a plain Linear (a
-    LoRA or 4-bit head is refused before launch: config.rules.fused_loss_problems)."""
+    given labels, runs its body (``base_model_prefix``) and the fused loss, and returns the loss with no logits
+    (evaluation too: its logits would be the largest block of the run); calls without labels (the probe) run the
+    model's own forward. The head must be a plain Linear (a LoRA or 4-bit head is refused before launch:
+    config.rules.fused_loss_problems)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     head = model.get_output_embeddings()
@@ -88,7 +99,7 @@ def install(model) -> None:
     softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-        if labels is None or not self.training:
+        if labels is None:
             return own(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
         body = getattr(self, self.base_model_prefix)
         h = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state

@@ -1,0 +1,136 @@
+"""trainer.fused_loss: the chunked head and cross-entropy against the model's own loss, where the rules let it run,
+what the gate counts for it, and how autofit and the OOM repair use it."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import CPU2, GPU8, composed, planned, repair_ladder
+from zerorun.config import check
+from zerorun.hardware import GIB, Hardware
+from zerorun.memory import estimate
+from zerorun.memory.activations import FUSED_MIN_CHUNK, fused_chunk_tokens
+from zerorun.memory.ladder import Knobs, apply
+from zerorun.train.fused_loss import IGNORE_INDEX, FusedLinearCrossEntropy, install
+
+pytestmark = pytest.mark.unit
+
+
+def _reference(h, w, b, labels, softcap):
+    z = (h @ w.t() if b is None else h @ w.t() + b).float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, labels, ignore_index=IGNORE_INDEX)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 70), hidden=st.integers(1, 24), vocab=st.integers(2, 90), chunk=st.integers(1, 80),
+       ignored=st.floats(0, 0.9), bias=st.booleans(), softcap=st.sampled_from([None, 3.0]),
+       head_trains=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_chunked_loss_and_its_gradients_are_the_models_own(tokens, hidden, vocab, chunk, ignored, bias, softcap,
+                                                               head_trains, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64).requires_grad_(head_trains)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64).requires_grad_(head_trains) if bias else None
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[torch.rand(tokens, generator=g) < ignored] = IGNORE_INDEX
+    labels[0] = 0  # at least one token counts (HF's mean over none is NaN; the fused loss is 0)
+    want = _reference(h, w, b, labels, softcap)
+    want_grads = torch.autograd.grad(want * 3, [t for t in (h, w, b) if t is not None and t.requires_grad])
+    got = FusedLinearCrossEntropy.apply(h, w, b, labels, chunk, softcap)
+    got_grads = torch.autograd.grad(got * 3, [t for t in (h, w, b) if t is not None and t.requires_grad])
+    # (the fused loss sums in fp32 and returns fp32, as HF's upcast logits do)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    for a, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+
+
+@given(tokens=st.integers(1, 1 << 16), hidden=st.integers(16, 8192), vocab=st.integers(2, 300_000))
+def test_a_chunk_is_a_power_of_two_of_at_least_256_tokens_or_the_whole_micro_batch(tokens, hidden, vocab):
+    c = fused_chunk_tokens(tokens, hidden, vocab)
+    assert 1 <= c <= tokens
+    assert c == tokens or (c >= FUSED_MIN_CHUNK and c & (c - 1) == 0)
+    assert c == tokens or c * vocab <= max(FUSED_MIN_CHUNK * vocab, 2 * tokens * hidden + vocab)  # ~ one activation
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma2"])
+def test_an_installed_model_trains_and_evaluates_on_the_fused_loss(kind):
+    import transformers as T
+
+    cfg = {"gpt2": lambda: T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=32,
+                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0),
+           "llama": lambda: T.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=300, tie_word_embeddings=False),
+           "gemma2": lambda: T.Gemma2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                            vocab_size=300)}[kind]()
+    torch.manual_seed(0)
+    own = T.AutoModelForCausalLM.from_config(cfg).train()
+    fused = T.AutoModelForCausalLM.from_config(cfg).train()
+    fused.load_state_dict(own.state_dict())
+    install(fused)
+    x = torch.randint(0, 300, (2, 24))
+    labels = x.clone()
+    labels[1, :6] = IGNORE_INDEX
+    a, b = own(input_ids=x, labels=labels), fused(input_ids=x, labels=labels)
+    assert b.logits is None  # what the fused loss saves
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(own.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    fused.eval()
+    own.eval()
+    torch.testing.assert_close(fused(input_ids=x).logits, own(input_ids=x).logits)  # the probe: no labels
+    with torch.no_grad():  # evaluation: the loss chunk by chunk, no logits either
+        a, b = own(input_ids=x, labels=labels), fused(input_ids=x, labels=labels)
+    assert b.logits is None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (("+model=tiny-bert",), "task=sequence_classification"),
+    (("zero=stage3",), "zero=stage3"),
+    (("parallel=pipeline", "parallel.micro_batches=2"), "parallel=pipeline"),
+    (("+model=tiny-llama", "adapter=lora", "adapter.target_modules=[q_proj,lm_head]"), "lm_head"),
+])
+def test_the_fused_loss_is_refused_where_it_cannot_run(overrides, says):
+    problems = [p for p in check(composed(*overrides, "trainer.fused_loss=true"), CPU2)
+                if p.key == "trainer.fused_loss"]
+    assert len(problems) == 1 and says in str(problems[0]) and "Fix:" in str(problems[0]), problems
+    assert not [p for p in check(composed(*overrides, "trainer.fused_loss=false"), CPU2) if p.key == "trainer.fused_loss"]
+
+
+def test_the_gate_counts_one_chunk_and_the_heads_fp32_gradient_instead_of_the_logits():
+    base = ("+model=llama-3.2-1b", "precision=bf16", "data.seq_len=2048", "zero=stage2")
+    hw = Hardware("cuda", 8, 80 * GIB, 512 * GIB, 1, 64)
+    own, fused = (estimate(*planned(*base, f"trainer.fused_loss={f}"), hw) for f in ("false", "true"))
+    V, H, tokens = 128_256, 2048, 8 * 2048
+    assert own.components["logits + loss"] == 12 * tokens * V  # three fp32 b·s·V blocks
+    chunk = fused_chunk_tokens(tokens, H, V)
+    # the untied head trains: its fp32 gradient, and then its bf16 cast or one chunk's fp32 + bf16 logits
+    assert fused.components["logits + loss"] == 4 * V * H + max(6 * chunk * V, 2 * V * H)
+    assert own.per_rank_peak_bytes - fused.per_rank_peak_bytes > 10 * GIB
+    lora = estimate(*planned(*base, "adapter=lora", "trainer.fused_loss=true"), hw)
+    assert lora.phases["loss"]["logits + loss"] == 6 * chunk * V  # a frozen head has no gradient
+
+
+def test_autofit_turns_it_on_only_where_the_user_left_it_open_and_zero3_turns_it_off():
+    assert repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", "trainer.fused_loss=false")
+    for overrides in (("trainer.fused_loss=false",), ()):
+        steps = repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", *overrides)
+        keys = [c.key for _, changes in steps for c in changes]
+        assert ("trainer.fused_loss" in keys) == (not overrides)
+    cfg, plan = planned("+model=tiny-gpt2", "trainer.fused_loss=true", "zero=stage2", world=CPU2)
+    new, changes = apply(cfg, CPU2, Knobs(8, False, False, 3, cfg.offload.device, None), plan.global_batch_size)
+    assert new.trainer.fused_loss is False and not check(new, CPU2)
+    assert [c.override() for c in changes if c.key == "trainer.fused_loss"] == ["trainer.fused_loss=false"]
+    # a classifier: never offered
+    cfg, plan = planned("+model=tiny-bert", world=GPU8)
+    steps = repair_ladder("+model=tiny-bert", "trainer.micro_batch_size=1")
+    assert all(c.key != "trainer.fused_loss" for _, changes in steps for c in changes)
+    assert dataclasses.replace(cfg.trainer, fused_loss=None) == cfg.trainer  # the default: null
