@@ -25,9 +25,11 @@ def _fp16_supported() -> bool:
 
 
 MATRIX = [
-    # monitor=tensorboard|csv ride along: DeepSpeed's own monitors write the loss series metrics.jsonl has.
-    pytest.param(["zero=stage0", "launcher=deepspeed", "monitor=tensorboard", "trainer.eval_every=2"],
-                 id="zero0-fp32-deepspeed-tensorboard"),
+    # monitor=tensorboard|csv ride along: DeepSpeed's own monitors write the loss series metrics.jsonl has. The
+    # fused loss too (training and evaluation chunk by chunk, the export's probe on the model's own logits); the
+    # model's own loss is every other run's.
+    pytest.param(["zero=stage0", "launcher=deepspeed", "monitor=tensorboard", "trainer.eval_every=2",
+                  "trainer.fused_loss=true"], id="zero0-fp32-deepspeed-tensorboard-fused-loss"),
     # `make test` runs these three (every stage is also run by other e2e files: ZeRO-1 by the TP and pipeline
     # runs, ZeRO-2 by the verbatim GPT-2 command and the fault runs); `make test-all` the whole matrix.
     pytest.param(["zero=stage3", "offload=cpu", "precision=bf16", "launcher=torchrun", "monitor=csv"],
@@ -64,6 +66,10 @@ def test_two_rank_fine_tune(tmp_path, cache_dir, overrides):
             assert ds[value]["enabled"] is True
         if key == "monitor":
             check_monitor(run_dir, value, metrics)
+        if key == "trainer.fused_loss":  # what ran, and what the gate counted for it: one chunk, the head's grad
+            assert "fused_loss: true" in (run_dir / "config.yaml").read_text()
+            loss_term = json.loads((run_dir / "estimate.json").read_text())["phases"]["loss"]["logits + loss"]
+            assert loss_term < 12 * 4 * 64 * 4096, loss_term  # the model's own: 12 B × micro × seq × vocab
         if key == "launcher":
             assert (run_dir / "command.sh").read_text().split()[-1] == str(run_dir)
             assert f"/{value} " in (run_dir / "command.sh").read_text()

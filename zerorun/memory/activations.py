@@ -311,20 +311,23 @@ def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     return min(tokens, max(FUSED_MIN_CHUNK, 1 << (per - 1).bit_length()))
 
 
-def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_trains: bool) -> Activations:
+def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_trains: bool,
+                    accelerator: str) -> Activations:
     """``trainer.fused_loss`` (zerorun.train.fused_loss): no b·s·V logits. The loss transient is one chunk's fp32
     logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: two fp32 more),
-    and, where the head trains, the fp32 gradient of its weight, held from the loss into backward and there cast
-    to the module's dtype. The last hidden state's gradient, also held, takes the place of the head's saved input
-    in ``outside_layers``."""
+    and, where the head trains, the gradient of its weight, held from the loss into backward: fp32 on a CPU rank,
+    cast there to the module's dtype, the module's dtype on a GPU. The last hidden state's gradient, also held,
+    takes the place of the head's saved input in ``outside_layers``."""
     from ..arch import hf_fields
 
     V, H = m.vocab_size, m.hidden_size
     c = fused_chunk_tokens(tokens, H, V)
     half = e if e != 4 else 0
     softcap = 8 if hf_fields(m).get("final_logit_softcapping") else 0
-    grad_w = 4 * V * H if head_trains else 0
-    transient = grad_w + max(c * V * (4 + half + softcap), half * V * H if head_trains else 0)
+    acc = 4 if accelerator == "cpu" else e
+    grad_w = acc * V * H if head_trains else 0
+    cast = half * V * H if head_trains and acc == 4 else 0
+    transient = grad_w + max(c * V * (4 + half + softcap), cast)
     return dataclasses.replace(act, logits_loss=transient, loss_block=max(4 * c * V, grad_w), loss_spans=1)
 
 

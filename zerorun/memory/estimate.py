@@ -141,7 +141,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
     if cfg.trainer.fused_loss:
         act = with_fused_loss(act, cfg.model, plan.micro_batch_size * plan.seq_len,
-                              DTYPE_BYTES[Dtype(cfg.precision.dtype)], head_trains=not bd.lora)
+                              DTYPE_BYTES[Dtype(cfg.precision.dtype)], head_trains=not bd.lora,
+                              accelerator=plan.world.accelerator)
     if tp > 1:
         whole = param_breakdown(cfg.model, plan.task, labels, cfg.adapter)
         est = rank_estimate(cfg, plan, hw, cal, bd, act, whole.total, key, tp_gathered=tp_gathered(whole, bd))

@@ -21,12 +21,19 @@ from ..memory.activations import fused_chunk_tokens
 IGNORE_INDEX = -100  # transformers' ForCausalLMLoss
 
 
-def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bool):
+def head_grad_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """What the head's gradient sums over chunks in: fp32 on CPU (measured no slower there), the weight's dtype on
+    a GPU, as Liger-Kernel does (a GPU's fp32 matmul is many times slower than its 16-bit one)."""
+    return torch.float32 if h.device.type == "cpu" else w.dtype
+
+
+def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bool, acc: torch.dtype = torch.float32):
     """Mean cross-entropy of ``softcap(h @ w.T + bias)`` against ``labels`` (IGNORE_INDEX rows left out), one chunk
-    of rows at a time, and with ``grads`` the gradients of ``h`` and of ``w``, ``bias`` where they train (fp32)."""
+    of rows at a time, and with ``grads`` the gradients of ``h`` and of ``w`` (summed in ``acc``) and ``bias``
+    (fp32) where they train."""
     n = (labels != IGNORE_INDEX).sum().clamp(min=1)
     grad_h = torch.empty_like(h) if grads else None
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if grads and w.requires_grad else None
+    grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if grads and w.requires_grad else None
     grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=w.device) \
         if grads and bias is not None and bias.requires_grad else None
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -47,9 +54,10 @@ def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bo
         g.mul_((valid / n)[:, None])
         if softcap:
             g.mul_(1 - tanh.square_())
-        grad_h[i:i + chunk] = g.to(h.dtype) @ w
+        g_low = g.to(h.dtype)
+        grad_h[i:i + chunk] = g_low @ w
         if grad_w is not None:
-            grad_w.addmm_(g.t(), hc.float())
+            grad_w.addmm_(*((g.t(), hc.float()) if acc == torch.float32 else (g_low.t(), hc)))
         if grad_b is not None:
             grad_b += g.sum(0)
     return loss / n, grad_h, grad_w, grad_b
@@ -59,8 +67,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """``_chunked``'s loss, its gradients computed in forward and scaled by the incoming gradient in backward."""
 
     @staticmethod
-    def forward(ctx, h, w, bias, labels, chunk: int, softcap: Optional[float]):
-        loss, *grads = _chunked(h, w, bias, labels, chunk, softcap, grads=True)
+    def forward(ctx, h, w, bias, labels, chunk: int, softcap: Optional[float], acc: torch.dtype = torch.float32):
+        loss, *grads = _chunked(h, w, bias, labels, chunk, softcap, grads=True, acc=acc)
         ctx.save_for_backward(*grads)
         ctx.dtypes = (w.dtype, bias.dtype if bias is not None else None)
         return loss
@@ -69,7 +77,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         scale = lambda g, dtype: g.mul_(grad_loss).to(dtype) if g is not None else None  # noqa: E731
-        return grad_h.mul_(grad_loss), scale(grad_w, ctx.dtypes[0]), scale(grad_b, ctx.dtypes[1]), None, None, None
+        return (grad_h.mul_(grad_loss), scale(grad_w, ctx.dtypes[0]), scale(grad_b, ctx.dtypes[1]),
+                None, None, None, None)
 
 
 def fused_loss(h: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
@@ -80,7 +89,8 @@ def fused_loss(h: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, sof
     chunk = fused_chunk_tokens(flat.shape[0], flat.shape[1], head.out_features)
     if not torch.is_grad_enabled():
         return _chunked(flat, head.weight, head.bias, shifted, chunk, softcap, grads=False)[0]
-    return FusedLinearCrossEntropy.apply(flat, head.weight, head.bias, shifted, chunk, softcap)
+    return FusedLinearCrossEntropy.apply(flat, head.weight, head.bias, shifted, chunk, softcap,
+                                         head_grad_dtype(flat, head.weight))
 
 
 def install(model) -> None:
@@ -97,11 +107,15 @@ def install(model) -> None:
                            "not a Linear")
     own = model.forward
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    # The module under the head: base_model_prefix names it (GPT-2's "transformer", Llama's "model"), except where
+    # it names a multimodal parent's attribute (Gemma-3's causal LM keeps "language_model" but holds "model").
+    body = getattr(model, model.base_model_prefix, None) or model.get_decoder()
+    if body is model or not isinstance(body, torch.nn.Module):
+        raise RuntimeError(f"trainer.fused_loss: found no decoder module under {type(model).__name__}'s head")
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         if labels is None:
             return own(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
-        body = getattr(self, self.base_model_prefix)
         h = body(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
         return CausalLMOutputWithPast(loss=fused_loss(h, self.get_output_embeddings(), labels, softcap))
 
