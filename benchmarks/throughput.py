@@ -122,12 +122,13 @@ VARIANTS = {
     "glibc": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=1"],  # #25's default
     "glibc-mmap0": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=0"],
     "glibc-mmap32": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=32"],
+    "fused-loss": ["trainer.fused_loss=true"],  # the head and loss a chunk of tokens at a time
     # GPU ranks: what zerorun sets that the hand-written loop does not (the suspects of its 0.89x on an H200)
     "fixed-segments": ["launcher.expandable_segments=false"],
     "ds-buckets": ["zero.reduce_bucket_size=500000000", "zero.allgather_bucket_size=500000000"],
 }
-"""``zerorun@NAME`` systems: zerorun with its CPU ranks' allocator (and glibc's mmap mode) pinned; ``zerorun`` alone
-runs its defaults."""
+"""``zerorun@NAME`` systems: zerorun with one setting pinned (its CPU ranks' allocator and glibc's mmap mode, the fused
+loss, a GPU rank's allocator or buckets); ``zerorun`` alone runs its defaults."""
 
 
 def run(system: str, spec: Dict) -> Tuple[float, float, float]:

@@ -153,7 +153,9 @@ def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapt
         out.append(P("trainer.fused_loss=true with lm_head among adapter.target_modules: the fused loss uses the "
                      "head's own weight, not an adapter on it.", "leave lm_head out of adapter.target_modules, or "
                      "drop trainer.fused_loss.", key=key, value=True))
-    if (m.hf_config or {}).get("output_router_logits"):
+    from ..arch import hf_fields
+
+    if hf_fields(m).get("output_router_logits"):
         out.append(P("trainer.fused_loss=true with output_router_logits=true: the router's load-balancing loss is "
                      "not computed by the fused loss.", "drop trainer.fused_loss, or output_router_logits.", key=key,
                      value=True))

@@ -5,8 +5,8 @@ take the cross-entropy: three fp32 b·s·V blocks at the start of backward (memo
 the largest activation of any model with a 128k-256k vocabulary (Llama 3, Qwen, Gemma: 8 × 2048 tokens × 128k is
 8 GiB each). Here the head runs on a chunk of tokens at a time and each chunk's gradients are computed at once
 (Liger-Kernel's fused linear cross-entropy, in plain PyTorch): the forward keeps the gradient of the last hidden
-state (the size of one activation) and, when the head trains, an fp32 gradient of its weight, and no logits
-beyond one chunk's. The same FLOPs as the model's own loss (one head matmul forward, two backward), so no
+state (the size of one activation) and, when the head trains, the gradient of its weight (fp32 on CPU), and no
+logits beyond one chunk's. The same FLOPs as the model's own loss (one head matmul forward, two backward), so no
 recomputation.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bo
         if grads and bias is not None and bias.requires_grad else None
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for i in range(0, h.shape[0], chunk):
-        hc, lc = h[i:i + chunk], labels[i:i + chunk]
+        # (QLoRA's kbit preparation may leave the head in fp32 under 16-bit hidden states)
+        hc, lc = h[i:i + chunk].to(w.dtype), labels[i:i + chunk]
         z = (hc @ w.t() if bias is None else torch.addmm(bias, hc, w.t())).float()
         if softcap:  # Gemma's final_logit_softcapping: softcap·tanh(z / softcap)
             tanh = z.div_(softcap).tanh_()
@@ -54,7 +55,7 @@ def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bo
         g.mul_((valid / n)[:, None])
         if softcap:
             g.mul_(1 - tanh.square_())
-        g_low = g.to(h.dtype)
+        g_low = g.to(w.dtype)
         grad_h[i:i + chunk] = g_low @ w
         if grad_w is not None:
             grad_w.addmm_(*((g.t(), hc.float()) if acc == torch.float32 else (g_low.t(), hc)))
