@@ -37,7 +37,7 @@ def render_table(cfg, plan, hw, rows, chosen_label: Optional[str]) -> List[str]:
         f"{m.name} ({rows[0][1].summary['task']}): {rows[0][1].params:,} parameters · "
         f"{Dtype(cfg.precision.dtype).value} · micro-batch "
         f"{tr.micro_batch_size} × seq {cfg.data.seq_len} · activation checkpointing "
-        f"{'on' if tr.activation_checkpointing else 'off'}{' · fused loss' if tr.fused_loss else ''} · "
+        f"{'on' if tr.activation_checkpointing else 'off'}{' · fused loss' if plan.fused_loss else ''} · "
         f"{world.size} rank(s) = {world.nnodes} node(s) × "
         f"{world.nproc_per_node} · global batch {plan.global_batch_size} "
         f"(accumulation {plan.grad_accum_steps})",
@@ -190,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"zerorun-estimate: error: {p}", file=sys.stderr)
         return EXIT_BAD_INPUT
     plan = make_plan(cfg, world)
-    table = M.table_configs(cfg) + M.tp_table_configs(cfg, world)
+    table = M.table_configs(cfg, world.accelerator) + M.tp_table_configs(cfg, world)
     from .speed import predict_step_time
 
     plans = [make_plan(c, world) for _, c in table]

@@ -1,6 +1,5 @@
 """trainer.fused_loss: the chunked head and cross-entropy against the model's own loss, where the rules let it run,
 what the gate counts for it, and how autofit and the OOM repair use it."""
-import dataclasses
 
 import pytest
 import torch
@@ -138,18 +137,31 @@ def test_the_gate_counts_one_chunk_and_the_heads_gradient_instead_of_the_logits(
     assert lora.phases["loss"]["logits + loss"] == 6 * chunk * V  # a frozen head has no gradient
 
 
+def test_null_fuses_a_cpu_ranks_causal_lm_where_it_runs_and_leaves_gpus_to_autofit():
+    from zerorun.config import make_plan
+
+    assert composed().trainer.fused_loss is None  # the default
+    assert make_plan(composed("+model=tiny-gpt2"), CPU2).fused_loss  # CPU ranks: on where it runs
+    assert not make_plan(composed("+model=tiny-gpt2", "zero=stage3"), CPU2).fused_loss  # ...not at ZeRO-3
+    assert not make_plan(composed("+model=tiny-bert"), CPU2).fused_loss  # a classifier
+    assert not make_plan(composed("+model=tiny-gpt2", "trainer.fused_loss=false"), CPU2).fused_loss
+    assert not make_plan(composed("+model=tiny-gpt2"), GPU8).fused_loss  # GPUs: not measured there yet
+    assert make_plan(composed("+model=tiny-gpt2", "trainer.fused_loss=true"), GPU8).fused_loss
+
+
 def test_autofit_turns_it_on_only_where_the_user_left_it_open_and_zero3_turns_it_off():
-    assert repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", "trainer.fused_loss=false")
-    for overrides in (("trainer.fused_loss=false",), ()):
-        steps = repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", *overrides)
+    for overrides in (("trainer.fused_loss=false",), ()):  # on GPUs, where null leaves it to autofit
+        steps = repair_ladder("+model=tiny-gpt2", "trainer.micro_batch_size=1", *overrides, world=GPU8)
         keys = [c.key for _, changes in steps for c in changes]
-        assert ("trainer.fused_loss" in keys) == (not overrides)
+        assert ("trainer.fused_loss" in keys) == (not overrides), keys
+        if not overrides:  # the first rung (it costs nothing), then off again at ZeRO-3
+            assert keys[0] == "trainer.fused_loss"
+            assert [c.new for _, changes in steps for c in changes if c.key == "trainer.fused_loss"] == [True, False]
     cfg, plan = planned("+model=tiny-gpt2", "trainer.fused_loss=true", "zero=stage2", world=CPU2)
     new, changes = apply(cfg, CPU2, Knobs(8, False, False, 3, cfg.offload.device, None), plan.global_batch_size)
     assert new.trainer.fused_loss is False and not check(new, CPU2)
     assert [c.override() for c in changes if c.key == "trainer.fused_loss"] == ["trainer.fused_loss=false"]
-    # a classifier: never offered
-    cfg, plan = planned("+model=tiny-bert", world=GPU8)
-    steps = repair_ladder("+model=tiny-bert", "trainer.micro_batch_size=1")
-    assert all(c.key != "trainer.fused_loss" for _, changes in steps for c in changes)
-    assert dataclasses.replace(cfg.trainer, fused_loss=None) == cfg.trainer  # the default: null
+    # CPU ranks with null: no change to say at any rung (each rung resolves it), and a classifier is never offered it
+    for model in ("+model=tiny-gpt2", "+model=tiny-bert"):
+        steps = repair_ladder(model, "trainer.micro_batch_size=1")
+        assert steps and all(c.key != "trainer.fused_loss" for _, changes in steps for c in changes)

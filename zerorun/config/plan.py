@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Optional
 
 from ..arch import count_params
-from .rules import OptimizerImpl, optimizer_impl, params_offloaded, resolve_task
+from .rules import OptimizerImpl, fused_loss_on, optimizer_impl, params_offloaded, resolve_task
 from .schema import Dtype, OffloadDevice, ParallelMode, RunConfig, TaskName
 
 
@@ -143,6 +143,8 @@ class Plan:
     """Where NVMe offload swaps ("" when not offloading to NVMe or not yet placed in a run dir)."""
     tensor_parallel: int = 1
     """Ranks of one tensor-parallel group (parallel=tp: DeepSpeed AutoTP's autotp_size); 1 without."""
+    fused_loss: bool = False
+    """Whether the ranks take the fused loss (``trainer.fused_loss`` resolved: rules.fused_loss_on)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -188,4 +190,5 @@ def make_plan(cfg: RunConfig, world: World, longest: int = 0) -> Plan:
         optimizer=optimizer_impl(world.accelerator, offload_optimizer, cfg.optimizer.name),
         nvme_path=cfg.offload.nvme_path if off == OffloadDevice.nvme else "",
         tensor_parallel=tensor_parallel_size(cfg),
+        fused_loss=fused_loss_on(cfg, world.accelerator),
     )

@@ -162,6 +162,18 @@ def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapt
     return out
 
 
+def fused_loss_on(cfg, accelerator: str, stage: Optional[int] = None) -> bool:
+    """``trainer.fused_loss`` as a run takes it (at ZeRO ``stage``, default the config's): true or false as set;
+    null: on for a CPU rank's causal LM wherever it runs (measured there: 3% faster, 20% less resident memory and a
+    tighter estimate than the model's own loss, docs/memory.md §3.5), off on GPUs until it is measured there
+    (gate=autofit may turn it on)."""
+    if cfg.trainer.fused_loss is not None:
+        return bool(cfg.trainer.fused_loss)
+    return accelerator == "cpu" and not fused_loss_problems(
+        resolve_task(cfg.task.name, cfg.model.family), cfg.zero.stage if stage is None else stage,
+        cfg.parallel.mode, cfg.model, cfg.adapter)
+
+
 def lora_target_problems(m, adapter) -> List[UserError]:
     """LoRA's target modules against the model's linear layers (zerorun/arch), before anything launches."""
     from ..arch import lora_target_problems as arch_problems

@@ -139,7 +139,7 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
     if bd.quantized:  # each 4-bit layer dequantizes its weight into the compute dtype for forward and backward
         largest = max((i * o for shapes in layer_linears(cfg.model).values() for i, o in shapes), default=0)
         act = dataclasses.replace(act, working_set=act.working_set + largest * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
-    if cfg.trainer.fused_loss:
+    if plan.fused_loss:
         act = with_fused_loss(act, cfg.model, plan.micro_batch_size * plan.seq_len,
                               DTYPE_BYTES[Dtype(cfg.precision.dtype)], head_trains=not bd.lora,
                               accelerator=plan.world.accelerator)

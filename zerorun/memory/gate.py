@@ -17,6 +17,7 @@ from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
 from .ladder import Change, apply, candidates, fused_loss_fits, has_bitsandbytes
+from ..config.rules import fused_loss_on
 from .priors import DEFAULT_CALIBRATION, Calibration, counted_bytes
 
 
@@ -235,8 +236,9 @@ def _ceiling_below_tensors(cfg: RunConfig, est: Estimate) -> Optional[str]:
             "rank's share of host RAM) or 0 (no ceiling).")
 
 
-def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
-    """The estimate table's rows: ``cfg`` at every layout of the rule table for its parallel mode, labelled."""
+def table_configs(cfg: RunConfig, accelerator: str = "cuda") -> List[Tuple[str, RunConfig]]:
+    """The estimate table's rows: ``cfg`` at every layout of the rule table for its parallel mode, labelled; "¹"
+    marks a row that takes the model's own loss where the composed config on ``accelerator`` ranks fuses it."""
     rows = []
     tp = f"TP {cfg.parallel.tp_size} · " if cfg.parallel.mode == ParallelMode.tp else ""
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
@@ -244,7 +246,7 @@ def table_configs(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
         z = dataclasses.replace(cfg.zero, stage=layout.stage)
         o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
         row, unfused = dataclasses.replace(cfg, zero=z, offload=o), ""
-        if cfg.trainer.fused_loss and not fused_loss_fits(cfg, layout.stage):  # ZeRO-3: the model's own loss
+        if fused_loss_on(cfg, accelerator) and not fused_loss_fits(cfg, layout.stage):  # ZeRO-3: the model's own
             row, unfused = dataclasses.replace(row, trainer=dataclasses.replace(cfg.trainer, fused_loss=False)), " ¹"
         rows.append((f"{tp}ZeRO-{layout.stage}  offload {layout.label}{unfused}", row))
     return rows

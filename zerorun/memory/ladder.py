@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple
 from ..allocators import concrete as allocator_of
 from ..config import (AdapterName, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, World, bucket_sizes,
                       data_parallel_size, layouts, params_offloaded, small_bucket_sizes)
-from ..config.rules import CPU_MMAP_THRESHOLD, fused_loss_problems, mmap_threshold_bytes, resolve_task
+from ..config.rules import CPU_MMAP_THRESHOLD, fused_loss_on, fused_loss_problems, mmap_threshold_bytes, resolve_task
 from ..config.choices import Allocator
 
 
@@ -130,14 +130,14 @@ def apply(cfg: RunConfig, world: World, k: Knobs, pinned_global: int) -> Tuple[R
                                   "freed activations go back to the OS instead of staying on the heap (CPU ranks; "
                                   "page faults make steps slower)"))
             new_la = dataclasses.replace(new_la, mmap_threshold_mib=1)
-    if k.fused and not tr.fused_loss:
-        changes.append(Change("trainer.fused_loss", tr.fused_loss, True, "the head and loss a chunk of tokens at a "
-                              "time: no vocabulary-wide fp32 logits (the same FLOPs)"))
-        new_tr = dataclasses.replace(new_tr, fused_loss=True)
-    elif tr.fused_loss and not k.fused:
-        changes.append(Change("trainer.fused_loss", True, False, "ZeRO-3 keeps the head's weight partitioned outside "
-                              "its forward: the model's own loss"))
-        new_tr = dataclasses.replace(new_tr, fused_loss=False)
+    if k.fused != fused_loss_on(cfg, world.accelerator, k.stage):  # (null on CPU ranks resolves by itself)
+        if k.fused:
+            changes.append(Change("trainer.fused_loss", tr.fused_loss, True, "the head and loss a chunk of tokens "
+                                  "at a time: no vocabulary-wide fp32 logits (the same FLOPs)"))
+        else:
+            changes.append(Change("trainer.fused_loss", True, False, "ZeRO-3 keeps the head's weight partitioned "
+                                  "outside its forward: the model's own loss"))
+        new_tr = dataclasses.replace(new_tr, fused_loss=k.fused)
     new_par = cfg.parallel
     if k.micro != tr.micro_batch_size and cfg.parallel.mode == ParallelMode.pipeline and cfg.parallel.micro_batches:
         accum = pinned_global // (k.micro * data_parallel_size(cfg, world))
@@ -169,7 +169,9 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
     may_qlora = cfg.adapter.autofit_qlora and cfg.adapter.name == AdapterName.lora and has_bitsandbytes() \
         and not cfg.adapter.merge
     may_lower_mmap = world.accelerator == "cpu" and _mmap_lowerable(cfg)
-    fuse = (False, True) if tr.fused_loss is None and fused_loss_fits(cfg, 0) else (bool(tr.fused_loss),)
+    # The fused loss: a choice where the user left it null and the ranks do not take it by themselves (GPUs);
+    # else what the config resolves to at each layout (off at ZeRO-3)
+    open_choice = tr.fused_loss is None and world.accelerator != "cpu"
     out = []
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         if layout.stage < z.stage:
@@ -189,7 +191,8 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
                 either if may_lower_mmap else (False,),
                 micros,
                 either if may_qlora else (False,),
-                fuse if fused_loss_fits(cfg, layout.stage) else (False,)):
+                ((False, True) if open_choice else (fused_loss_on(cfg, world.accelerator, layout.stage),))
+                if fused_loss_fits(cfg, layout.stage) else (False,)):
             out.append(Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q, fused))
     return sorted(out, key=ladder_rank)
 
@@ -226,7 +229,7 @@ def runtime_oom_repair(cfg: RunConfig, plan: Plan) -> Optional[Tuple[RunConfig, 
     knobs = [k for k in candidates(cfg, plan.world, pinned) if not k.opt8]
     micro = cfg.trainer.micro_batch_size
     current = Knobs(micro, cfg.trainer.activation_checkpointing, False, cfg.zero.stage,
-                    OffloadDevice(cfg.offload.device), cfg.offload.params, fused=bool(cfg.trainer.fused_loss))
+                    OffloadDevice(cfg.offload.device), cfg.offload.params, fused=plan.fused_loss)
     if micro > 1:
         smaller = sorted({k.micro for k in knobs if k.micro <= micro // 2}, reverse=True)
         if smaller:

@@ -23,7 +23,7 @@ class DataParallel:
         ckpt = self.cfg.trainer.activation_checkpointing
         if ckpt and self.cfg.adapter.name.value != "qlora":  # QLoRA's kbit preparation turns it on itself
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.cfg.trainer.fused_loss:
+        if self.plan.fused_loss:
             from .fused_loss import install
 
             install(model)  # before peft wraps it: peft's forward calls this model's
