@@ -112,6 +112,7 @@ def test_an_installed_model_trains_and_evaluates_on_the_fused_loss(kind):
     (("zero=stage3",), "zero=stage3"),
     (("parallel=pipeline", "parallel.micro_batches=2"), "parallel=pipeline"),
     (("+model=tiny-llama", "adapter=lora", "adapter.target_modules=[q_proj,lm_head]"), "lm_head"),
+    (("+model=qwen3-30b-a3b", "+model.hf_config.output_router_logits=true"), "load-balancing loss"),
 ])
 def test_the_fused_loss_is_refused_where_it_cannot_run(overrides, says):
     problems = [p for p in check(composed(*overrides, "trainer.fused_loss=true"), CPU2)

@@ -291,8 +291,9 @@ class TrainerConfig:
     fused_loss: Optional[bool] = None
     """true: a causal LM's head and loss computed a chunk of tokens at a time, gradients included, so its
     vocabulary-wide fp32 logits are never whole (zerorun.train.fused_loss): the same FLOPs and loss, the loss's
-    largest term gone; data parallelism at ZeRO-0/1/2. null: the model's own loss, and gate=autofit may turn it on
-    when memory is short. false: never."""
+    largest term gone; data parallelism at ZeRO-0/1/2. null: on for CPU ranks wherever it runs (measured faster
+    and smaller there), on GPUs the model's own loss unless gate=autofit turns it on when memory is short
+    (config.rules.fused_loss_on). false: never."""
     eval_every: int = num(0, ge=0)
     """Evaluate every N steps (0: only at the end)."""
     progress: bool = True
