@@ -162,6 +162,12 @@ def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapt
     return out
 
 
+def fused_loss_runs(cfg, stage: Optional[int] = None) -> bool:
+    """Whether ``trainer.fused_loss`` can run with ``cfg`` at ZeRO ``stage`` (default the config's)."""
+    return not fused_loss_problems(resolve_task(cfg.task.name, cfg.model.family),
+                                   cfg.zero.stage if stage is None else stage, cfg.parallel.mode, cfg.model, cfg.adapter)
+
+
 def fused_loss_on(cfg, accelerator: str, stage: Optional[int] = None) -> bool:
     """``trainer.fused_loss`` as a run takes it (at ZeRO ``stage``, default the config's): true or false as set;
     null: on for a CPU rank's causal LM wherever it runs (measured there: 3% faster, 20% less resident memory and a
@@ -169,9 +175,7 @@ def fused_loss_on(cfg, accelerator: str, stage: Optional[int] = None) -> bool:
     (gate=autofit may turn it on)."""
     if cfg.trainer.fused_loss is not None:
         return bool(cfg.trainer.fused_loss)
-    return accelerator == "cpu" and not fused_loss_problems(
-        resolve_task(cfg.task.name, cfg.model.family), cfg.zero.stage if stage is None else stage,
-        cfg.parallel.mode, cfg.model, cfg.adapter)
+    return accelerator == "cpu" and fused_loss_runs(cfg, stage)
 
 
 def lora_target_problems(m, adapter) -> List[UserError]:

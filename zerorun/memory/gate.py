@@ -16,8 +16,8 @@ from ..config import (Dtype, GateMode, OffloadDevice, OptimizerName, ParallelMod
 from ..hardware import Hardware
 from .. import speed  # a module reference: zerorun.speed imports this package's activations and params
 from .estimate import Estimate, estimate, gib
-from .ladder import Change, apply, candidates, fused_loss_fits, has_bitsandbytes
-from ..config.rules import fused_loss_on
+from ..config.rules import fused_loss_on, fused_loss_runs
+from .ladder import Change, apply, candidates, has_bitsandbytes
 from .priors import DEFAULT_CALIBRATION, Calibration, counted_bytes
 
 
@@ -246,7 +246,7 @@ def table_configs(cfg: RunConfig, accelerator: str = "cuda") -> List[Tuple[str, 
         z = dataclasses.replace(cfg.zero, stage=layout.stage)
         o = dataclasses.replace(cfg.offload, device=layout.device, params=params)
         row, unfused = dataclasses.replace(cfg, zero=z, offload=o), ""
-        if fused_loss_on(cfg, accelerator) and not fused_loss_fits(cfg, layout.stage):  # ZeRO-3: the model's own
+        if fused_loss_on(cfg, accelerator) and not fused_loss_runs(cfg, layout.stage):  # ZeRO-3: the model's own
             row, unfused = dataclasses.replace(row, trainer=dataclasses.replace(cfg.trainer, fused_loss=False)), " ¹"
         rows.append((f"{tp}ZeRO-{layout.stage}  offload {layout.label}{unfused}", row))
     return rows

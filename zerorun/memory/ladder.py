@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Tuple
 from ..allocators import concrete as allocator_of
 from ..config import (AdapterName, OffloadDevice, OptimizerName, ParallelMode, Plan, RunConfig, World, bucket_sizes,
                       data_parallel_size, layouts, params_offloaded, small_bucket_sizes)
-from ..config.rules import CPU_MMAP_THRESHOLD, fused_loss_on, fused_loss_problems, mmap_threshold_bytes, resolve_task
+from ..config.rules import CPU_MMAP_THRESHOLD, fused_loss_on, fused_loss_runs, mmap_threshold_bytes
 from ..config.choices import Allocator
 
 
@@ -192,7 +192,7 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
                 micros,
                 either if may_qlora else (False,),
                 ((False, True) if open_choice else (fused_loss_on(cfg, world.accelerator, layout.stage),))
-                if fused_loss_fits(cfg, layout.stage) else (False,)):
+                if fused_loss_runs(cfg, layout.stage) else (False,)):
             out.append(Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q, fused))
     return sorted(out, key=ladder_rank)
 
@@ -204,12 +204,6 @@ def ladder_rank(k: Knobs) -> Tuple:
     autofit breaks ties with it."""
     tier = 0 if k.offload == OffloadDevice.none else (2 if params_offloaded(k.stage, k.offload, k.params) else 1)
     return (tier == 2, tier >= 1, k.qlora, k.opt8, k.stage, k.small_buckets, k.ckpt, k.low_mmap, -k.micro, k.fused)
-
-
-def fused_loss_fits(cfg: RunConfig, stage: int) -> bool:
-    """Whether ``trainer.fused_loss`` can run with ``cfg`` at ZeRO ``stage`` (config.rules.fused_loss_problems)."""
-    return not fused_loss_problems(resolve_task(cfg.task.name, cfg.model.family), stage, cfg.parallel.mode, cfg.model,
-                                   cfg.adapter)
 
 
 def _mmap_lowerable(cfg: RunConfig) -> bool:
