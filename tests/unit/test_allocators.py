@@ -95,6 +95,8 @@ def test_the_allocator_key_separates_measurements_of_different_allocators():
     keys = {runtime_overhead_key(compose([f"launcher.allocator={a}", "launcher.mmap_threshold_mib=1"]), hw, 2)
             for a in ("tcmalloc", "jemalloc", "glibc")}
     assert len(keys) == 3
+    # and the loss a rank takes: fused (a CPU rank's default) or the model's own
+    assert runtime_overhead_key(compose(["trainer.fused_loss=false"]), hw, 2) != runtime_overhead_key(compose([]), hw, 2)
 
 
 def test_autofit_gives_up_the_fast_allocator_only_when_memory_is_short_and_says_what_it_costs():

@@ -190,7 +190,8 @@ def test_the_export_is_a_phase_of_rank_0_and_the_other_ranks_keep_their_training
 
 
 @pytest.mark.parametrize("change", ["adapter=lora", "model.num_kv_heads=1", "model.head_dim=16",
-                                    "model.tie_word_embeddings=true", "model.model_type=qwen2", "adapter.r=64"])
+                                    "model.tie_word_embeddings=true", "model.model_type=qwen2", "adapter.r=64",
+                                    "trainer.fused_loss=false"])
 def test_the_correction_key_holds_every_field_that_changes_memory(change):
     base = ("+model=tiny-llama", "zero=stage2") + (("adapter=lora",) if change == "adapter.r=64" else ())
     cfg, other = composed(*base), composed(*base, change)

@@ -8,7 +8,7 @@ from typing import Mapping, Optional, Tuple
 
 from ..config import Dtype, OffloadDevice, ParallelMode, Plan, RunConfig
 from ..allocators import memory_mode
-from ..config.rules import mmap_threshold_bytes
+from ..config.rules import fused_loss_on, mmap_threshold_bytes
 from ..hardware import GIB, Hardware
 
 
@@ -93,8 +93,8 @@ RUNTIME_OVERHEAD = "runtime-overhead"  # calibration.json keys of measured runti
 
 def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> str:
     """What a CPU rank's runtime overhead depends on: the code paths it runs and how, not the model's size (the
-    model code, precision, ZeRO stage, offload (NVMe measured as CPU), optimizer, adapter, checkpointing,
-    allocator mode, threads per rank) on this device."""
+    model code, precision, ZeRO stage, offload (NVMe measured as CPU), optimizer, adapter, checkpointing, the
+    loss (fused or the model's), allocator mode, threads per rank) on this device."""
     from ..arch import model_code
 
     off = OffloadDevice(cfg.offload.device)
@@ -103,6 +103,7 @@ def runtime_overhead_key(cfg: RunConfig, hw: Hardware, nproc_per_node: int) -> s
                      Dtype(cfg.precision.dtype).value, f"zero{cfg.zero.stage}",
                      f"offload-{off.value}{'+params' if cfg.offload.params else ''}", cfg.optimizer.name.value,
                      cfg.adapter.name.value, f"ckpt{int(cfg.trainer.activation_checkpointing)}",
+                     "fused-loss" if fused_loss_on(cfg, hw.accelerator) else "model-loss",
                      ParallelMode(cfg.parallel.mode).value,
                      memory_mode(cfg.launcher, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
                      f"threads{hw.threads_per_rank(nproc_per_node)}"])
@@ -125,7 +126,8 @@ def correction_key(cfg: RunConfig, plan: Plan, hw: Hardware, environment: str) -
              "labels": cfg.task.num_labels, "seq": cfg.data.seq_len, "micro": plan.micro_batch_size,
              "precision": Dtype(cfg.precision.dtype).value, "stage": cfg.zero.stage,
              "offload": [OffloadDevice(cfg.offload.device).value, plan.offload_params],
-             "checkpointing": cfg.trainer.activation_checkpointing, "device": [hw.accelerator, hw.device_name],
+             "checkpointing": cfg.trainer.activation_checkpointing, "fused_loss": plan.fused_loss,
+             "device": [hw.accelerator, hw.device_name],
              "node": [plan.world.nproc_per_node, plan.pipeline_stages],
              "optimizer": plan.optimizer.value, "mmap_threshold": memory_mode(cfg.launcher, mmap_threshold_bytes(cfg.launcher.mmap_threshold_mib)),
              "environment": environment}
