@@ -83,10 +83,10 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     return [total // n] * n if total else []
 
 
-def logits_spans_taken(block: int, state_blocks: List[int], spans: int = 3) -> int:
-    """How many of the loss's ``spans`` freed fp32 logits spans of ``block`` bytes the state blocks take, each
+def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> int:
+    """How many of the loss's ``count`` freed fp32 logits spans of ``block`` bytes the state blocks take, each
     placed best fit as it is created (what is left of a span stays free for the next)."""
-    spans, taken = [block] * spans, 0
+    spans, taken = [block] * count, 0
     for b in state_blocks:
         fits = [s for s in spans if s >= b]
         if b <= 0 or not fits:
