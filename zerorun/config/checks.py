@@ -81,8 +81,7 @@ def check(cfg: RunConfig, world: World, *, libaio: Optional[bool] = None,
 
     problems += task_problems(resolve_task(cfg.task.name, m.family), m.family, m.name, cfg.task.num_labels)
     if tr.fused_loss:
-        problems += fused_loss_problems(resolve_task(cfg.task.name, m.family), z.stage, cfg.parallel.mode, m,
-                                        cfg.adapter)
+        problems += fused_loss_problems(cfg)
     problems += _launcher_problems(cfg, world)
     if cfg.parallel.mode == ParallelMode.pipeline:
         problems += pipeline_problems(z.stage) + _pipeline_problems(cfg, world)

@@ -133,13 +133,16 @@ def tp_problems(m, tp_size: int, world_size: int, offload: OffloadDevice) -> Lis
     return out
 
 
-def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapter) -> List[UserError]:
+def fused_loss_problems(cfg, stage: Optional[int] = None) -> List[UserError]:
     """Where ``trainer.fused_loss`` runs (zerorun.train.fused_loss): a causal LM trained with data parallelism at
     ZeRO-0/1/2, whose loss is the cross-entropy of a plain Linear head on the last hidden state. ZeRO-3 partitions
     the head's weight outside its module's forward; a pipeline's last stage and AutoTP's sharded head compute the
     loss in their own modules; a LoRA head is no plain Linear; an MoE model asked for its router loss
-    (output_router_logits) adds a term the fused loss does not compute."""
+    (output_router_logits) adds a term the fused loss does not compute. ``stage``: at that ZeRO stage instead of the
+    config's."""
     P, key, out = UserError, "trainer.fused_loss", []
+    task, mode, m, adapter = resolve_task(cfg.task.name, cfg.model.family), cfg.parallel.mode, cfg.model, cfg.adapter
+    stage = cfg.zero.stage if stage is None else stage
     if TaskName(task) != TaskName.causal_lm:
         out.append(P(f"trainer.fused_loss=true with task={TaskName(task).value}: it fuses a causal LM's head and "
                      "loss; a classifier has no vocabulary-wide logits.", "drop trainer.fused_loss.", key=key,
@@ -164,8 +167,7 @@ def fused_loss_problems(task: TaskName, stage: int, mode: ParallelMode, m, adapt
 
 def fused_loss_runs(cfg, stage: Optional[int] = None) -> bool:
     """Whether ``trainer.fused_loss`` can run with ``cfg`` at ZeRO ``stage`` (default the config's)."""
-    return not fused_loss_problems(resolve_task(cfg.task.name, cfg.model.family),
-                                   cfg.zero.stage if stage is None else stage, cfg.parallel.mode, cfg.model, cfg.adapter)
+    return not fused_loss_problems(cfg, stage)
 
 
 def fused_loss_on(cfg, accelerator: str, stage: Optional[int] = None) -> bool:

@@ -169,9 +169,6 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
     may_qlora = cfg.adapter.autofit_qlora and cfg.adapter.name == AdapterName.lora and has_bitsandbytes() \
         and not cfg.adapter.merge
     may_lower_mmap = world.accelerator == "cpu" and _mmap_lowerable(cfg)
-    # The fused loss: a choice where the user left it null and the ranks do not take it by themselves (GPUs);
-    # else what the config resolves to at each layout (off at ZeRO-3)
-    open_choice = tr.fused_loss is None and world.accelerator != "cpu"
     out = []
     for layout in layouts(cfg.parallel.mode, cfg.adapter.name):
         if layout.stage < z.stage:
@@ -191,10 +188,19 @@ def candidates(cfg: RunConfig, world: World, pinned_global: int) -> List[Knobs]:
                 either if may_lower_mmap else (False,),
                 micros,
                 either if may_qlora else (False,),
-                ((False, True) if open_choice else (fused_loss_on(cfg, world.accelerator, layout.stage),))
-                if fused_loss_runs(cfg, layout.stage) else (False,)):
+                _fused_options(cfg, world.accelerator, layout.stage)):
             out.append(Knobs(micro, ckpt, small, layout.stage, layout.device, params, opt8, low, q, fused))
     return sorted(out, key=ladder_rank)
+
+
+def _fused_options(cfg: RunConfig, accelerator: str, stage: int) -> Tuple[bool, ...]:
+    """The fused loss at a layout: off where it cannot run (ZeRO-3); a choice where the user left it null and the
+    ranks do not take it by themselves (GPUs); else what the config resolves to."""
+    if not fused_loss_runs(cfg, stage):
+        return (False,)
+    if cfg.trainer.fused_loss is None and accelerator != "cpu":
+        return (False, True)
+    return (fused_loss_on(cfg, accelerator, stage),)
 
 
 def ladder_rank(k: Knobs) -> Tuple:
