@@ -20,7 +20,7 @@ from ..config import Dtype, TaskName
 from ..data import RankSampler, open_split
 from ..rundir import RunDir
 from ..telemetry import RssMilestones
-from . import heap_limit, interrupts, optimizers
+from . import dropout_masks, heap_limit, interrupts, optimizers
 from .strategy import strategy_for
 
 
@@ -120,6 +120,8 @@ class Trainer:
         self.step = 0  # the step being run (fault records name it)
         self.rss.mark("built")
         interrupts.limit_memory(self.rank)
+        if cfg.trainer.fast_dropout_masks and self.plan.world.accelerator == "cpu":
+            dropout_masks.install()
         # Per-rank randomness (dropout) differs between ranks, as in any data-parallel job.
         seed_everything(cfg.seed + 1000 * (self.rank + 1))
 
