@@ -15,7 +15,10 @@ the stock kernel writes (same tensor, same dtype). CUDA tensors keep CUDA's kern
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 1 << 16
 """Elements per uniform draw: 256 KiB of fp32, cache-sized, and few enough Python iterations (32 for 2 M)."""
@@ -23,7 +26,7 @@ CHUNK = 1 << 16
 _library = None  # the torch.library registration; kept alive for the process's lifetime
 
 
-def fill_bernoulli_(self, p: float = 0.5, *, generator: Optional["torch.Generator"] = None):  # noqa: F821
+def fill_bernoulli_(self, p: float = 0.5, *, generator: Optional[torch.Generator] = None):
     """``self.bernoulli_(p)``: each element 1 with probability p, else 0, drawn ``CHUNK`` elements at a time."""
     import torch
 
