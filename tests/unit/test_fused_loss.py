@@ -138,6 +138,15 @@ def test_the_gate_counts_one_chunk_and_the_heads_gradient_instead_of_the_logits(
     assert lora.phases["loss"]["logits + loss"] == 6 * chunk * V  # a frozen head has no gradient
 
 
+def test_gemmas_soft_capped_logits_are_saved_by_its_own_loss_only():
+    # Gemma-2's forward keeps the tanh of its final soft-capping, b·s·V in bf16: the fused loss never makes it
+    base = ("+model=gemma-2-9b", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=2", "zero=stage2")
+    hw = Hardware("cuda", 8, 80 * GIB, 512 * GIB, 1, 64)
+    own, fused = (estimate(*planned(*base, f"trainer.fused_loss={f}"), hw) for f in ("false", "true"))
+    saved = {"own": own.phases["loss"]["activations"], "fused": fused.phases["loss"]["activations"]}
+    assert saved["own"] - saved["fused"] == 2 * 1024 * 256_000 * 2
+
+
 def test_null_fuses_a_cpu_ranks_causal_lm_where_it_runs_and_leaves_gpus_to_autofit():
     from zerorun.config import make_plan
 

@@ -84,10 +84,23 @@ def test_the_shape_only_trace_saves_what_a_real_forward_saves(model_type, dtype,
 
 def test_bytes_are_linear_in_the_micro_batch_so_two_traces_give_any_other():
     fields = TYPES["qwen3"]
-    per3, out3, kept3 = traced.saved_sizes("qwen3", fields, "causal_lm", 2, 3, 32, "fp32", True)
+    per3, out3, kept3, _ = traced.saved_sizes("qwen3", fields, "causal_lm", 2, 3, 32, "fp32", True)
     real3 = [traced.trace_point("qwen3", fields, "causal_lm", 2, n, 3, 32, "fp32", True) for n in (1, 2)]
     assert (per3, out3) == traced.split_layers(*real3)
     assert sorted(kept3) == sorted(real3[0].kept)
+    *_, logits3 = traced.saved_sizes("gemma2", TYPES["gemma2"], "causal_lm", 2, 3, 32, "fp32", True)
+    assert logits3 == traced.trace_point("gemma2", TYPES["gemma2"], "causal_lm", 2, 1, 3, 32, "fp32", True).logits
+
+
+def test_what_the_forward_saves_on_the_logits_is_told_apart_for_the_fused_loss():
+    b, s, V, e = 2, 32, TINY["vocab_size"], 2
+    for model_type in ("gemma2", "qwen3"):  # Gemma-2's final soft-capping keeps its tanh of the logits; Qwen3 nothing
+        point = traced.trace_point(model_type, TYPES[model_type], "causal_lm", 2, 1, b, s, "bf16", False)
+        assert point.logits == ((b * s * V * e,) if model_type == "gemma2" else ())
+    model = real_model("gemma2", TYPES["gemma2"], "causal_lm", 1, torch.bfloat16)
+    capped = real_saved(model, b, s, "causal_lm", False)
+    model.config.final_logit_softcapping = None
+    assert capped - real_saved(model, b, s, "causal_lm", False) == b * s * V * e
 
 
 def test_gemma_traces_one_layer_of_each_attention_kind():
@@ -96,7 +109,7 @@ def test_gemma_traces_one_layer_of_each_attention_kind():
 
 
 def test_checkpointing_keeps_the_materialised_mask_a_layer_is_given():
-    *_, kept = traced.saved_sizes("llama", TYPES["llama"], "causal_lm", 2, 2, 32, "fp32", True)
+    _, _, kept, _ = traced.saved_sizes("llama", TYPES["llama"], "causal_lm", 2, 2, 32, "fp32", True)
     assert 2 * 32 * 32 in kept  # the (b, 1, s, s) bool mask every checkpoint keeps
 
 

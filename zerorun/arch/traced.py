@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import fuse_activations
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
                 "quantization_config", "auto_map", "use_cache")
@@ -271,6 +271,10 @@ class TracePoint:
     kept: Tuple[int, ...] = ()
     """The layers' inputs besides the hidden states that nothing saves (a materialised mask): what a checkpoint
     keeps for its recomputation beyond the hidden states."""
+    logits: Tuple[int, ...] = ()
+    """Of ``sizes``, what the forward saves on the head's output (Gemma's final soft-capping keeps its tanh of the
+    b·s·V logits): part of the model's own loss, never made by ``trainer.fused_loss``, which takes the head's
+    input instead."""
 
 
 def _balanced_mode(experts: int):
@@ -330,7 +334,7 @@ def trace_point(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
            "batch": batch, "seq": seq, "dtype": dtype, "no_cache": no_cache, "lora": lora, "dropout_off": dropout_off}
     d = cached("trace", key, lambda: asdict(_trace(model_type, fields, task, num_labels, layers, batch, seq,
                                                      dtype, no_cache, lora, dropout_off)))
-    return TracePoint(d["layers"], tuple(d["sizes"]), tuple(d["kept"]))
+    return TracePoint(d["layers"], tuple(d["sizes"]), tuple(d["kept"]), tuple(d["logits"]))
 
 
 def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_cache, lora, dropout_off):
@@ -381,6 +385,10 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
 
         hooks = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True)
                  for layer in _layer_list(model, cfg.num_hidden_layers)[1]]
+        head = model.get_output_embeddings() if task == "causal_lm" else None
+        saved_before_logits: List[int] = []  # storages saved up to the head's output; the rest act on the logits
+        if head is not None:
+            hooks.append(head.register_forward_hook(lambda *_: saved_before_logits.append(len(sizes))))
         with _balanced_mode(experts), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             try:
                 model(input_ids=ids, **kwargs)
@@ -390,7 +398,8 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
     for h in hooks:
         h.remove()
     kept = tuple(n for k, n in inputs.items() if k not in sizes)
-    return TracePoint(layers, tuple(n for n in sizes.values() if n), kept)
+    after_head = list(sizes.values())[saved_before_logits[0]:] if saved_before_logits else []
+    return TracePoint(layers, tuple(n for n in sizes.values() if n), kept, tuple(n for n in after_head if n))
 
 
 def depths(model_type: str, fields: Dict[str, Any], num_labels: int = 2) -> Tuple[int, int]:
@@ -414,7 +423,7 @@ def split_layers(shallow: TracePoint, deep: TracePoint) -> Tuple[Tuple[int, ...]
 def saved_sizes(model_type: str, fields: Dict[str, Any], task: str, num_labels: int, batch: int, seq: int,
                 dtype: str, no_cache: bool, lora=None, dropout_off: bool = False):
     """(one layer's saved storages, those saved outside the layers, the layers' inputs a checkpoint keeps besides
-    the hidden states), bytes each, at micro-batch ``batch``. Traced at
+    the hidden states, those of the outside ones saved on the head's output), bytes each, at micro-batch ``batch``. Traced at
     batch 1 and 2 and extended along the line every storage's bytes follow in the batch (one more trace where a
     storage appears at one size only)."""
     def at(layers: int) -> TracePoint:
@@ -423,11 +432,11 @@ def saved_sizes(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
         if batch <= 2:
             return point(batch=batch)
         one, two = point(batch=1), point(batch=2)
-        if len(one.sizes) != len(two.sizes) or len(one.kept) != len(two.kept):
+        if any(len(getattr(one, f)) != len(getattr(two, f)) for f in ("sizes", "kept", "logits")):
             return point(batch=batch)
         line = lambda a, b: tuple(x + (batch - 1) * (y - x) for x, y in zip(a, b))  # noqa: E731
-        return TracePoint(layers, line(one.sizes, two.sizes), line(one.kept, two.kept))
+        return TracePoint(layers, line(one.sizes, two.sizes), line(one.kept, two.kept), line(one.logits, two.logits))
 
     shallow, deep = depths(model_type, fields, num_labels)
     low = at(shallow)
-    return (*split_layers(low, at(deep)), low.kept)
+    return (*split_layers(low, at(deep)), low.kept, low.logits)

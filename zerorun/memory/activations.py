@@ -70,6 +70,11 @@ class Activations:
     """The same for a checkpointed layer's kept input."""
     small_outside: int = 0
     """The same for ``outside_layers``."""
+    logits_saved: int = 0
+    """Of ``outside_layers``, what the model's forward saves on its b·s·V logits (Gemma's final soft-capping
+    keeps its tanh): the model's own loss only; ``with_fused_loss`` takes it out."""
+    small_logits: int = 0
+    """The same below the mmap threshold (part of ``small_outside``)."""
 
     @property
     def heap_churn(self) -> int:
@@ -283,12 +288,12 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
     lora_key = (tuple(lora[0]), int(lora[1]), float(lora[2])) if lora is not None else None
     trace = lambda no_cache: saved_sizes(m.model_type, hf_fields(m), task_name, num_labels, b, s,  # noqa: E731
                                          Dtype(dtype).value, no_cache, lora_key, dropout_off=accelerator == "cuda")
-    layer, outside, _ = trace(False)
-    recompute, outside_nc, kept_inputs = trace(True)
+    layer, outside, _, logits = trace(False)
+    recompute, outside_nc, kept_inputs, logits_nc = trace(True)
     e, t = DTYPE_BYTES[Dtype(dtype)], b * s
     kept = e * m.hidden_size * t
     if checkpointing:
-        outside = (*outside_nc, *kept_inputs)
+        outside, logits = (*outside_nc, *kept_inputs), logits_nc
     small = (lambda sizes: sum(n for n in sizes if 0 < n < mmap_threshold)) if accelerator == "cpu" \
         else (lambda sizes: 0)
     lm = task_name == TaskName.causal_lm.value
@@ -296,7 +301,8 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
                        working_set=e * t * (m.hidden_size + 2 * m.intermediate_size),
                        logits_loss=LOSS_BYTES_PER_LOGIT * (t * m.vocab_size if lm else b * num_labels),
                        num_layers=m.num_layers, checkpointing=checkpointing, small_per_layer=small(layer),
-                       small_checkpoint=small([kept]), small_outside=small(outside))
+                       small_checkpoint=small([kept]), small_outside=small(outside),
+                       logits_saved=sum(logits), small_logits=small(logits))
 
 
 FUSED_MIN_CHUNK = 256
@@ -317,7 +323,8 @@ def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_
     logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: two fp32 more),
     and, where the head trains, the gradient of its weight, held from the loss into backward: fp32 on a CPU rank,
     cast there to the module's dtype, the module's dtype on a GPU. The last hidden state's gradient, also held,
-    takes the place of the head's saved input in ``outside_layers``."""
+    takes the place of the head's saved input in ``outside_layers``; what the model's forward saves on the logits
+    (``logits_saved``: Gemma's soft-capping tanh, b·s·V) is never made."""
     from ..arch import hf_fields
 
     V, H = m.vocab_size, m.hidden_size
@@ -328,7 +335,9 @@ def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_
     grad_w = acc * V * H if head_trains else 0
     cast = half * V * H if head_trains and acc == 4 else 0
     transient = grad_w + max(c * V * (4 + half + softcap), cast)
-    return dataclasses.replace(act, logits_loss=transient, loss_block=max(4 * c * V, grad_w), loss_spans=1)
+    return dataclasses.replace(act, logits_loss=transient, loss_block=max(4 * c * V, grad_w), loss_spans=1,
+                               outside_layers=act.outside_layers - act.logits_saved,
+                               small_outside=act.small_outside - act.small_logits, logits_saved=0, small_logits=0)
 
 
 def with_lora(act: Activations, adapted, r: int, dropout: float, e: int, tokens: int, accelerator: str) -> Activations:
