@@ -113,6 +113,22 @@ def test_checkpointing_keeps_the_materialised_mask_a_layer_is_given():
     assert 2 * 32 * 32 in kept  # the (b, 1, s, s) bool mask every checkpoint keeps
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "llama"])
+def test_every_mask_a_real_forward_gives_its_layers_is_kept_at_every_batch(model_type):
+    # Gemma-2's masks die with its body and its soft-capped logits used to take their address: the trace lost them
+    fields, seq = TYPES[model_type], 32
+    for batch in (1, 2, 3):
+        model, masks = real_model(model_type, fields, "causal_lm", None, torch.float32), {}
+        layers = traced._layer_list(model, model.config.num_hidden_layers)[1]
+        hook = lambda mod, args, kw: masks.update(  # noqa: E731
+            {t.data_ptr(): t.nbytes for t in kw.values() if isinstance(t, torch.Tensor) and t.dtype == torch.bool})
+        for layer in layers:
+            layer.register_forward_pre_hook(hook, with_kwargs=True)
+        real_saved(model, batch, seq, "causal_lm", True)
+        point = traced.trace_point(model_type, fields, "causal_lm", 2, len(layers), batch, seq, "fp32", True)
+        assert masks and sorted(n for n in point.kept if n == batch * seq * seq) == sorted(masks.values()), batch
+
+
 def test_moe_plans_every_expert_and_a_balanced_share_of_tokens():
     c = traced.census("mixtral", TYPES["mixtral"], "causal_lm")
     assert len(c.linears["w1"]) == 4  # every expert's projections are there to adapt or count

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import fuse_activations
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
                 "quantization_config", "auto_map", "use_cache")
@@ -356,9 +356,11 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
                 r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=list(targets),
                 task_type=TaskType.CAUSAL_LM if task == "causal_lm" else TaskType.SEQ_CLS))
     sizes: Dict[int, int] = {}
+    alive: List[Any] = []  # every storage keyed by address lives to the end: a freed one's address is reused
 
     def pack(t):
         st = t.untyped_storage()
+        alive.append(t)
         sizes.setdefault(st._cdata, st.nbytes())
         return t
 
@@ -381,6 +383,7 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
         def layer_inputs(module, args, kw):
             for t in [*args[1:], *kw.values(), *[x for v in kw.values() if isinstance(v, tuple) for x in v]]:
                 if isinstance(t, torch.Tensor):
+                    alive.append(t)  # Gemma-2's masks die with its body; the soft-capping's tanh took their address
                     inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
 
         hooks = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True)
