@@ -4,7 +4,7 @@ Every dropout on a CPU tensor (``nn.Dropout``, SDPA's math path with ``dropout_p
 ``Tensor.bernoulli_(1 - p)``. PyTorch's CPU kernel for a scalar probability is serial whatever the thread count
 and takes 1.9x as long as drawing uniform numbers and comparing them (torch 2.13, 2 M elements on one thread of
 an Intel Xeon: 14.0 ms against 7.5 ms; on the AMD EPYC of earlier sessions ``F.dropout`` took 14.6 against 9.2 ms;
-docs/speed.md §4). On GPT-2-class training with dropout 0.1 the masks were ~8-12% of a CPU step.
+docs/speed.md §4). On GPT-2-class training with dropout 0.1 the stock masks took 7.6% of a CPU step.
 
 ``install()`` registers a CPU kernel for ``aten::bernoulli_.float`` in the rank's process that fills the mask
 from ``uniform_`` numbers through a small fp32 buffer: the same Bernoulli(p) distribution from the same generator
