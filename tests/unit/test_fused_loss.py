@@ -48,6 +48,24 @@ def test_the_chunked_loss_and_its_gradients_are_the_models_own(tokens, hidden, v
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_one_chunks_blocks_exist_at_a_time_as_the_gate_counts_them(softcap):
+    from zerorun.telemetry import live_bytes
+    from zerorun.train.fused_loss import _chunked
+
+    tokens, hidden, vocab, chunk = 1024, 16, 2000, 256
+    h = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16)  # a frozen head: no gradient of its own
+    labels = torch.randint(0, vocab, (tokens,))
+    with live_bytes() as tracker:
+        _chunked(h, w, None, labels, chunk, softcap, grads=True)
+    # with_fused_loss's transient in bf16: fp32 logits + their bf16 matmul output or gradient (+ the tanh)
+    counted = chunk * vocab * (4 + 2 + (4 if softcap else 0))
+    # the inputs (counted as the tracker first sees views of them), the hidden states' gradient, per-row vectors
+    small = h.nbytes + w.nbytes + 2 * tokens * hidden + 64 * chunk * 4
+    assert counted <= tracker.peak <= counted + small
+
+
 def test_the_gpus_way_sums_the_heads_gradient_in_its_dtype_close_to_the_models_own():
     """On a GPU the head's gradient sums over chunks in bf16 (Liger-Kernel's choice), run here on CPU tensors."""
     g = torch.Generator().manual_seed(0)

@@ -320,17 +320,17 @@ def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
 def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_trains: bool,
                     accelerator: str) -> Activations:
     """``trainer.fused_loss`` (zerorun.train.fused_loss): no b·s·V logits. The loss transient is one chunk's fp32
-    logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: two fp32 more),
-    and, where the head trains, the gradient of its weight, held from the loss into backward: fp32 on a CPU rank,
-    cast there to the module's dtype, the module's dtype on a GPU. The last hidden state's gradient, also held,
-    takes the place of the head's saved input in ``outside_layers``; what the model's forward saves on the logits
+    logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: one fp32 more,
+    its tanh), and, where the head trains, the gradient of its weight, held from the loss into backward: fp32 on
+    a CPU rank, cast there to the module's dtype, the module's dtype on a GPU. The last hidden state's gradient,
+    also held, takes the place of the head's saved input in ``outside_layers``; what the model's forward saves on the logits
     (``logits_saved``: Gemma's soft-capping tanh, b·s·V) is never made."""
     from ..arch import hf_fields
 
     V, H = m.vocab_size, m.hidden_size
     c = fused_chunk_tokens(tokens, H, V)
     half = e if e != 4 else 0
-    softcap = 8 if hf_fields(m).get("final_logit_softcapping") else 0
+    softcap = 4 if hf_fields(m).get("final_logit_softcapping") else 0
     acc = 4 if accelerator == "cpu" else e
     grad_w = acc * V * H if head_trains else 0
     cast = half * V * H if head_trains and acc == 4 else 0

@@ -41,26 +41,31 @@ def _chunked(h, w, bias, labels, chunk: int, softcap: Optional[float], grads: bo
         # (QLoRA's kbit preparation may leave the head in fp32 under 16-bit hidden states)
         hc, lc = h[i:i + chunk].to(w.dtype), labels[i:i + chunk]
         z = (hc @ w.t() if bias is None else torch.addmm(bias, hc, w.t())).float()
+        tanh = None
         if softcap:  # Gemma's final_logit_softcapping: softcap·tanh(z / softcap)
             tanh = z.div_(softcap).tanh_()
             z = tanh * softcap
         valid = lc != IGNORE_INDEX
         target = lc.clamp(min=0)
-        lse = torch.logsumexp(z, -1)
-        loss += ((lse - z.gather(1, target[:, None]).squeeze(1)) * valid).sum()
-        if not grads:
-            continue
-        g = z.sub_(lse[:, None]).exp_()  # softmax, in the logits' block
-        g[torch.arange(len(lc), device=g.device), target] -= 1
-        g.mul_((valid / n)[:, None])
-        if softcap:
-            g.mul_(1 - tanh.square_())
-        g_low = g.to(w.dtype)
-        grad_h[i:i + chunk] = g_low @ w
-        if grad_w is not None:
-            grad_w.addmm_(*((g.t(), hc.float()) if acc == torch.float32 else (g_low.t(), hc)))
-        if grad_b is not None:
-            grad_b += g.sum(0)
+        picked = z.gather(1, target[:, None]).squeeze(1)
+        # log-sum-exp and softmax in the logits' own block: torch.logsumexp would hold two more blocks of its size
+        top = z.amax(-1, keepdim=True)
+        total = z.sub_(top).exp_().sum(-1, keepdim=True)
+        loss += ((top.squeeze(1) + total.squeeze(1).log() - picked) * valid).sum()
+        if grads:
+            g = z.div_(total)  # softmax
+            g[torch.arange(len(lc), device=g.device), target] -= 1
+            g.mul_((valid / n)[:, None])
+            if tanh is not None:
+                g.mul_(tanh.square_().neg_().add_(1))
+            g_low = g.to(w.dtype)
+            grad_h[i:i + chunk] = g_low @ w
+            if grad_w is not None:
+                grad_w.addmm_(*((g.t(), hc.float()) if acc == torch.float32 else (g_low.t(), hc)))
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            del g, g_low
+        del z, tanh  # before the next chunk's logits exist: one chunk's blocks at a time
     return loss / n, grad_h, grad_w, grad_b
 
 
