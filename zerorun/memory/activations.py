@@ -323,8 +323,8 @@ def with_fused_loss(act: Activations, m: ModelConfig, tokens: int, e: int, head_
     logits with their 16-bit matmul output or 16-bit gradient beside them (Gemma's soft-capping: one fp32 more,
     its tanh), and, where the head trains, the gradient of its weight, held from the loss into backward: fp32 on
     a CPU rank, cast there to the module's dtype, the module's dtype on a GPU. The last hidden state's gradient,
-    also held, takes the place of the head's saved input in ``outside_layers``; what the model's forward saves on the logits
-    (``logits_saved``: Gemma's soft-capping tanh, b·s·V) is never made."""
+    also held, takes the place of the head's saved input in ``outside_layers``; what the model's forward saves on
+    the logits (``logits_saved``: Gemma's soft-capping tanh, b·s·V) is never made."""
     from ..arch import hf_fields
 
     V, H = m.vocab_size, m.hidden_size
