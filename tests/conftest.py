@@ -1,6 +1,7 @@
 """Test tiers by directory: tests/unit (pure, in-process, no subprocess: `make test-fast`),
 tests/integration (engines or tools in-process or in one subprocess), tests/e2e (real multi-rank jobs).
-Marks are strict (pyproject: --strict-markers); `slow` and `gpu` are set by the tests themselves."""
+Marks are strict (pyproject: --strict-markers); `slow` and `gpu` are set by the tests themselves, `heavy` by a
+unit test itself or, for a whole module, by HEAVY_MODULES below."""
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,42 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 TIERS = ("unit", "integration", "e2e")
 
+# Unit modules heavy as a whole (`heavy`: `make test` runs them, `make test-fast` skips them): they build, trace or
+# run torch models, or each of their tests searches or composes many configs. A heavy test among fast ones carries
+# @pytest.mark.heavy itself. Importing torch and transformers is ~6 CPU-s of its own, so where the -m expression
+# leaves out every unit test that is heavy (`make test-fast`), these modules are not even imported.
+HEAVY_MODULES = frozenset({
+    "test_arch.py", "test_bound.py", "test_dropout_masks.py", "test_fused_loss.py", "test_memory_report.py",
+    "test_pipeline.py", "test_pipeline_decoder.py", "test_qlora.py", "test_traced.py",
+})
+
+
+def _heavy_module(path) -> bool:
+    return path.parent.name == "unit" and path.name in HEAVY_MODULES
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Skip importing a heavy module when -m deselects its tests (marked unit and heavy) whatever their other marks."""
+    if not config.option.markexpr or not _heavy_module(Path(collection_path)):
+        return None
+    try:
+        from _pytest.mark.expression import Expression  # the parser -m itself uses
+
+        expr = Expression.compile(config.option.markexpr)
+        selects = [expr.evaluate(lambda name, /, **kw: (name in ("unit", "heavy") and not kw) or other)
+                   for other in (False, True)]
+    except Exception:  # noqa: BLE001 (another pytest's parser: collect the module and let -m deselect)
+        return None
+    return True if not any(selects) else None
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        tier = Path(str(item.fspath)).parent.name
-        if tier in TIERS:
-            item.add_marker(getattr(pytest.mark, tier))
+        path = Path(str(item.fspath))
+        if path.parent.name in TIERS:
+            item.add_marker(getattr(pytest.mark, path.parent.name))
+        if _heavy_module(path):
+            item.add_marker(pytest.mark.heavy)
 
 
 @pytest.fixture(autouse=True)

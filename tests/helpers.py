@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from zerorun.config import ModelConfig, World, compose, make_plan
 from zerorun.hardware import GIB, Hardware
 from zerorun.ship_traces import model_files
@@ -153,6 +151,7 @@ def assert_loss_falls(metrics, by=0.3):
 
 
 def load_export(run_dir):
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     probe = torch.load(run_dir / "export" / "probe.pt")
@@ -162,6 +161,8 @@ def load_export(run_dir):
 
 
 def assert_export_matches_engine(run_dir):
+    import torch
+
     model, probe = load_export(run_dir)
     with torch.no_grad():
         logits = model(**probe["inputs"]).logits.float()

@@ -53,6 +53,7 @@ def test_a_users_own_ld_preload_wins_and_the_gate_plans_for_what_it_loads():
     assert allocators.resolve(Allocator.auto, {"LD_PRELOAD": "/x/libfoo.so"}, finder(*LIBS)).name == Allocator.glibc
 
 
+@pytest.mark.heavy
 @given(choice=st.sampled_from(list(Allocator)), installed=st.sets(st.sampled_from(list(LIBS))),
        gpu=st.booleans())
 def test_resolution_is_always_concrete_installed_and_one_line(choice, installed, gpu):
@@ -87,6 +88,7 @@ def test_the_search_dirs_can_be_replaced(tmp_path, monkeypatch):
     assert allocators.search_dirs() == [str(tmp_path)]
 
 
+@pytest.mark.heavy
 def test_the_allocator_key_separates_measurements_of_different_allocators():
     from zerorun.hardware import Hardware
     from zerorun.memory.priors import runtime_overhead_key
@@ -99,6 +101,7 @@ def test_the_allocator_key_separates_measurements_of_different_allocators():
     assert runtime_overhead_key(compose(["trainer.fused_loss=false"]), hw, 2) != runtime_overhead_key(compose([]), hw, 2)
 
 
+@pytest.mark.heavy
 def test_autofit_gives_up_the_fast_allocator_only_when_memory_is_short_and_says_what_it_costs():
     import dataclasses
 
@@ -122,6 +125,7 @@ def test_autofit_gives_up_the_fast_allocator_only_when_memory_is_short_and_says_
     assert autofit(cfg, plan, roomy) is None or not any(c.key == "launcher.allocator" for c in autofit(cfg, plan, roomy).changes)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("allocator,width", [("tcmalloc", "heap retention (tcmalloc)"),
                                              ("jemalloc", "heap (jemalloc, not validated)"),
                                              ("mimalloc", "heap (mimalloc, not validated)")])

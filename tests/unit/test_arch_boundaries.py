@@ -53,6 +53,7 @@ def test_arch_imports_nothing_of_zerorun_and_config_never_imports_memory():
     assert not {n for n in imports(PKG / "hardware.py") if n.startswith("zerorun.config")}
 
 
+@pytest.mark.heavy
 def test_no_code_outside_arch_names_a_family():
     names = sorted({*FAMILIES, *DECODER_TYPES, "bert", "roberta"})
     # a family as a word ("bert", model.bert), or a transformers class named after one (GPT2LMHeadModel)
@@ -70,6 +71,7 @@ def test_no_code_outside_arch_names_a_family():
     assert not found, "\n".join(found)
 
 
+@pytest.mark.heavy
 def test_pipeline_recipes_are_the_families_that_say_they_have_one():
     from zerorun.pipeline import recipes
 

@@ -1,6 +1,8 @@
 """Checkpoint discovery and where trainer.resume looks (no engine: the protocol's files only)."""
 from pathlib import Path
 
+import pytest
+
 from helpers import composed
 from zerorun import checkpoint
 from zerorun.resume import candidates as resume_candidates
@@ -41,6 +43,7 @@ def test_resume_point_takes_the_first_candidate_with_a_complete_tag(tmp_path):
     assert checkpoint.resume_point([empty]) == (None, [])
 
 
+@pytest.mark.heavy
 def test_resume_candidates_this_run_then_siblings_newest_first(tmp_path):
     exp = tmp_path / "outputs" / "tiny-gpt2"
     for name in ("2026-01-01_10-00-00", "2026-01-02_10-00-00", "2026-01-03_10-00-00"):
@@ -70,6 +73,7 @@ def test_one_checkpoint_is_counted_as_the_disk_holds_it_and_a_small_disk_is_refu
     assert "trainer.checkpoint_dir" in short
 
 
+@pytest.mark.heavy
 def test_identity_names_what_differs_and_passes_the_same_model():
     gpt2, bert = checkpoint.identity(composed()), checkpoint.identity(composed("+model=tiny-bert"))
     assert checkpoint.identity_mismatch(gpt2, checkpoint.identity(composed("trainer.lr=1e-3", "model.dropout=0"))) is None
@@ -82,6 +86,7 @@ def test_identity_names_what_differs_and_passes_the_same_model():
     assert checkpoint.identity_mismatch({}, gpt2) is None  # a checkpoint of an older zerorun: nothing recorded
 
 
+@pytest.mark.heavy
 def test_a_checkpoint_of_another_model_is_refused_from_its_marker_or_its_run_dirs_config(tmp_path):
     import json
 

@@ -22,6 +22,7 @@ def no_hydra(monkeypatch):
     monkeypatch.setattr(load, "_compose", refuse)
 
 
+@pytest.mark.heavy
 def test_a_hit_is_what_hydra_composes_and_skips_it(cache, monkeypatch):
     overrides = ["+model=gpt2", "zero=stage2", "offload=cpu", "trainer.micro_batch_size=3"]
     fresh = compose(overrides)
@@ -33,6 +34,7 @@ def test_a_hit_is_what_hydra_composes_and_skips_it(cache, monkeypatch):
         compose(overrides + ["trainer.micro_batch_size=4"], cached=True)
 
 
+@pytest.mark.heavy
 def test_a_changed_config_json_composes_afresh(cache, tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -48,6 +50,7 @@ def test_a_changed_config_json_composes_afresh(cache, tmp_path):
     assert compose(overrides, cached=True).model.num_layers == 3
 
 
+@pytest.mark.heavy
 def test_interpolations_and_unreadable_entries_are_composed(cache, monkeypatch):
     monkeypatch.setenv("ZR_TEST_NAME", "from-env")
     assert compose(["+model=tiny-gpt2", "name=${oc.env:ZR_TEST_NAME}"], cached=True).name == "from-env"
@@ -67,6 +70,7 @@ def test_the_key_covers_the_packaged_conf():
     assert not C.cacheable(["+model=gpt2", "hydra.searchpath=[file:///elsewhere]"])
 
 
+@pytest.mark.heavy
 def test_a_read_only_cache_still_composes(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -74,6 +78,7 @@ def test_a_read_only_cache_still_composes(tmp_path, monkeypatch):
     assert compose(["+model=tiny-bert"], cached=True) == compose(["+model=tiny-bert"])
 
 
+@pytest.mark.heavy
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(model=st.sampled_from(["tiny-gpt2", "tiny-llama", "qwen3-8b", "gemma-2-9b"]), stage=st.integers(0, 3),
        offload=st.sampled_from(["none", "cpu"]), precision=st.sampled_from(["fp32", "bf16", "fp16"]),

@@ -10,6 +10,7 @@ from zerorun.config import (ConfigError, Layout, ModelConfig, OffloadDevice, Par
                             compose, global_batch, grad_accum_steps, layouts, unknown_override_keys)
 
 
+@pytest.mark.heavy
 def test_default_is_tiny_gpt2_and_plus_model_replaces_it():
     assert composed().model.name == "tiny-gpt2"
     cfg = composed("+model=gpt2", "zero=stage2", "offload=cpu")
@@ -29,6 +30,7 @@ def test_every_model_file_sets_every_architecture_key():
 REFUSED_OFFLOAD = {(0, "cpu"), (0, "nvme"), (1, "nvme"), (2, "nvme")}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("stage,offload,precision", list(itertools.product(
     [0, 1, 2, 3], ["none", "cpu", "nvme"], ["fp32", "fp16", "bf16"])))
 def test_offload_rules_refuse_exactly_deepspeeds_exclusions_and_say_why(stage, offload, precision):
@@ -43,6 +45,7 @@ def test_offload_rules_refuse_exactly_deepspeeds_exclusions_and_say_why(stage, o
         assert "zero=stage3" in p
 
 
+@pytest.mark.heavy
 def test_the_rule_table_lists_every_accepted_layout_once():
     none, cpu, nvme = OffloadDevice.none, OffloadDevice.cpu, OffloadDevice.nvme
     assert layouts(ParallelMode.dp) == [
@@ -67,6 +70,7 @@ def test_problems_carry_key_value_and_fix():
                       "= 4 × 8 = 32. Fix: trainer.global_batch_size=96, or a micro_batch_size that divides it.")
 
 
+@pytest.mark.heavy
 def test_fp16_refused_on_cpu_without_support_and_its_other_knobs_reported_too():
     problems = [str(p) for p in check(composed("precision=fp16", "precision.initial_scale_power=-3"), CPU2)]
     assert len(problems) == 2, problems
@@ -82,6 +86,7 @@ def test_nvme_without_libaio():
     assert any("libaio" in p and "apt-get install libaio-dev" in p for p in problems)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", ["/proc/zerorun-nvme", "/etc/hostname/nvme"])
 def test_nvme_path_is_checked_by_trying(path, tmp_path):
     """/proc passes a permission-bit test as root but refuses new directories; a path under a file too."""
@@ -98,6 +103,7 @@ def test_batch_must_divide_with_fix():
                         "= 4 × 8 = 32. Fix: trainer.global_batch_size=96, or a micro_batch_size that divides it."]
 
 
+@pytest.mark.heavy
 def test_multi_node_checks():
     problems = [str(p) for p in check(composed("launcher.nnodes=2"), GPU8)]
     assert len(problems) == 2 and "without launcher.master_port" in problems[0] and "loopback" in problems[1]
@@ -120,6 +126,7 @@ def test_unknown_keys_are_found_with_suggestions():
         compose(["trainer.max_step=3"])  # zerorun-estimate and the tests compose through the same check
 
 
+@pytest.mark.heavy
 def test_enum_choices_are_refused_while_composing():
     with pytest.raises(UserError, match="parallel.partition"):
         composed("parallel=pipeline", "parallel.partition=balanced")
@@ -127,6 +134,7 @@ def test_enum_choices_are_refused_while_composing():
         composed("data.format=parquet")
 
 
+@pytest.mark.heavy
 def test_pipeline_checks():
     two = World(nproc_per_node=2, nnodes=1, accelerator="cpu")
     assert check(composed("parallel=pipeline", "parallel.micro_batches=2"), two) == []

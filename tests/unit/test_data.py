@@ -37,6 +37,7 @@ def test_rank_sampler_refuses_too_little_data():
         RankSampler(5, 0, 2, 4, seed=0)
 
 
+@pytest.mark.heavy
 def test_prepare_caches(tmp_path):
     data = DataConfig(cache_dir=str(tmp_path), synthetic_docs=200, seq_len=32)
     model = ModelConfig(name="t", family=Family.gpt2, num_layers=1, hidden_size=8, num_heads=2, intermediate_size=8, vocab_size=1000,
@@ -152,6 +153,7 @@ def test_length_grouping_keeps_every_step_the_same_whatever_the_split_and_resume
     assert len(set(epoch.tolist())) == len(epoch) == 2000
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["long-tailed", "built-in sentiment"])
 def test_length_grouping_makes_batches_at_least_97_percent_real_tokens(tmp_path, name):
     if name == "long-tailed":

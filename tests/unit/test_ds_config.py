@@ -39,6 +39,7 @@ def test_golden(name):
     assert ds == json.loads(golden.read_text()), f"rendered JSON differs from {golden}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("world", [CPU2, GPU8], ids=["cpu2", "gpu8"])
 def test_deepspeed_accepts_and_nothing_is_auto(name, world, monkeypatch):
@@ -68,6 +69,7 @@ def test_zero2_cpu_offload_section():
     assert "torch_adam" not in ds["optimizer"]["params"]  # offload uses DeepSpeed's CPU Adam
 
 
+@pytest.mark.heavy
 def test_zero3_offloads_params_too_unless_disabled():
     z = render(composed("zero=stage3", "offload=cpu"), CPU2)["zero_optimization"]
     assert z["offload_param"]["device"] == "cpu"
@@ -93,6 +95,7 @@ def test_deepspeed_overrides_merge():
     assert ds["activation_checkpointing"] == {"partition_activations": True}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_rendered_schedulers_construct_and_start_above_zero(schedule, warmup):
@@ -117,6 +120,7 @@ def test_rendered_schedulers_construct_and_start_above_zero(schedule, warmup):
         assert lrs[0] == pytest.approx(0.1)
 
 
+@pytest.mark.heavy
 def test_node_local_checkpoints_only_with_a_run_dir_per_node():
     from zerorun.config import World
 

@@ -120,6 +120,7 @@ def _assert_launchable(cfg: RunConfig, parser):
     assert all(math.isfinite(g["lr"]) and g["lr"] >= 0 for g in optimizer.param_groups)
 
 
+@pytest.mark.heavy
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=SEEDED, database=None)
 @given(key=st.sampled_from(KEYS), value=VALUES, data=st.data())
 def test_any_value_of_any_field_is_accepted_and_launchable_or_refused_naming_the_key(
@@ -157,6 +158,7 @@ ENV_TEXT = st.one_of(st.sampled_from(NASTY_TEXT + ["2", "1", "0", "-3", "9999999
                      st.text(max_size=6), st.integers(-5, 10**12).map(str))
 
 
+@pytest.mark.heavy
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=SEEDED, database=None)
 @given(platform=st.sampled_from(["slurm", "sagemaker"]),
        env=st.dictionaries(st.sampled_from(PLATFORM_VARS), ENV_TEXT, max_size=4))

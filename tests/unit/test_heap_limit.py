@@ -55,6 +55,7 @@ def test_off_where_tcmalloc_is_not_what_runs_or_the_user_set_a_limit():
     assert heap_limit.apply(0, ESTIMATE, 0, environ={})["why"] == "launcher.heap_limit_mib=0"
 
 
+@pytest.mark.heavy
 def test_a_bad_heap_limit_is_refused_naming_the_key_and_the_fix():
     (problem,) = field_problems(compose(["launcher.heap_limit_mib=-2"]))
     assert str(problem).startswith("launcher.heap_limit_mib=-2: must be at least -1. Fix: launcher.heap_limit_mib=-1")
@@ -63,10 +64,12 @@ def test_a_bad_heap_limit_is_refused_naming_the_key_and_the_fix():
             compose([f"launcher.heap_limit_mib={value}"])
 
 
+@pytest.mark.heavy
 def test_the_default_holds_each_rank_at_its_bound():
     assert compose([]).launcher.heap_limit_mib == -1
 
 
+@pytest.mark.heavy
 def test_an_explicit_ceiling_below_the_tensors_is_refused_before_launch_with_a_ceiling_that_clears_them():
     from helpers import CPU2, CPU_HOST
     from zerorun.config import make_plan

@@ -1,6 +1,8 @@
 """LaunchPlan → argv/env, tested without starting a process."""
 import os
 
+import pytest
+
 from zerorun.launcher import LaunchPlan, build_command, cpu_shm_name, node_hostfile, release_cpu_shm, shell_line
 
 
@@ -80,6 +82,7 @@ def test_cpu_shm_segments_of_one_run_are_released(tmp_path):
     assert str(os.getuid()) in cpu_shm_name("h", 1)
 
 
+@pytest.mark.heavy
 def test_the_launcher_reads_this_machine_without_importing_torch_where_it_can(tmp_path, monkeypatch):
     """detect() answers fp16 support from the CPU flags as torch's own mkldnn check does, and on a machine
     with no NVIDIA device node it does not import torch (~1 s of every launch) to look for CUDA."""

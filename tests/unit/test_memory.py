@@ -59,6 +59,7 @@ REGIONS = {
 HAND_WRITTEN = [m for m in map(model_file, MODEL_FILES) if m.family in REGIONS] + [BERT_TINY, BERT_BASE]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("m", HAND_WRITTEN, ids=lambda m: m.name)
 def test_param_count_matches_transformers(m):
     model = meta_model(m)
@@ -81,6 +82,7 @@ def test_param_count_matches_transformers(m):
     assert bd.buffer_bytes == sum(b.numel() * b.element_size() for b in model.buffers())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("labels", [2, 5])
 def test_param_count_with_num_labels_and_gpt2_classifier(labels):
     from zerorun.config import TaskName
@@ -110,6 +112,7 @@ def est(*overrides, world=GPU8, hw=A100_8):
     return estimate(composed(*overrides), world, hw)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_model_states_shrink_with_stage(model, precision):
@@ -118,6 +121,7 @@ def test_model_states_shrink_with_stage(model, precision):
     assert states[3] < states[0] / 4  # 16Ψ → ~16Ψ/N at N=8 (§1.1)
 
 
+@pytest.mark.heavy
 def test_checkpointing_reduces_activations():
     base = ("+model=gpt2-medium", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8")
     off, on = est(*base), est(*base, "trainer.activation_checkpointing=true")
@@ -126,6 +130,7 @@ def test_checkpointing_reduces_activations():
     assert on.phases["backward"]["activations"] > on.phases["loss"]["activations"]  # the recomputed layer
 
 
+@pytest.mark.heavy
 def test_offload_moves_optimizer_to_host():
     base = ("+model=gpt2-large", "zero=stage2", "precision=bf16")
     dev, off = est(*base), est(*base, "offload=cpu")
@@ -162,6 +167,7 @@ def test_pinned_blocks_are_the_next_power_of_two(n):
     assert got >= n and got & (got - 1) == 0 and got < 2 * n
 
 
+@pytest.mark.heavy
 def test_pinned_host_buffers_of_gpu_ranks():
     """What DeepSpeed page-locks on a GPU rank is counted in PyTorch's power-of-two host blocks; Adam's states
     (not pinned), CPU ranks (no page-locking) and offload.pin_memory=false are counted as they are."""
@@ -181,6 +187,7 @@ def test_pinned_host_buffers_of_gpu_ranks():
     assert 4_300 < gpu.host_bytes_per_node / 2**20 < 4_449 < plain.host_bytes_per_node / 2**20 + 250
 
 
+@pytest.mark.heavy
 def test_zero3_step_converts_on_the_host_of_a_gpu_rank():
     """ZeRO-3 with the optimizer offloaded and the parameters on the GPU copies each stepped fp32 sub-group
     into the 16-bit partition with one copy_, which converts on the host first: a transient of the sub-group
@@ -210,6 +217,7 @@ def test_peak_is_max_over_phases_not_a_sum():
     assert "optimizer-step transient" not in e.components and "embedding grad transient" not in e.components
 
 
+@pytest.mark.heavy
 def test_golden_gpt2_stage2_bf16():
     """GPT-2 small, ZeRO-2, bf16, 8 × 40 GiB GPUs, micro 4 × seq 512: every term by hand."""
     e = est("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=512", "trainer.micro_batch_size=4")
@@ -255,6 +263,7 @@ def test_golden_gpt2_stage2_bf16():
     assert e.fits and e.device_capacity_bytes == 40 * GIB
 
 
+@pytest.mark.heavy
 def test_bert_classification():
     e = est("+model=bert-base-uncased", "zero=stage2", "precision=bf16", "data.seq_len=512",
             "trainer.micro_batch_size=32")
@@ -300,6 +309,7 @@ LARGE_FP32 = ("+model=gpt2-large", "zero=stage0", "precision=fp32", "data.seq_le
               "hardware.gpu_mem_gib=16", "hardware.host_mem_gib=256")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_gate_strict_refuses_with_top_consumers_and_a_fix(gpus):
     cfg = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}")
@@ -340,6 +350,7 @@ def test_gate_strict_refuses_with_top_consumers_and_a_fix(gpus):
             d.estimate.bound_bytes - d.estimate.per_rank_peak_bytes
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("gpus", [1, 8])
 def test_autofit_fits_and_keeps_the_global_batch(gpus):
     cfg = composed(*LARGE_FP32, f"hardware.gpus_per_node={gpus}")
@@ -366,6 +377,7 @@ def test_autofit_fits_and_keeps_the_global_batch(gpus):
                         "trainer.fused_loss"}
 
 
+@pytest.mark.heavy
 def test_autofit_prefers_micro_batch_then_checkpointing():
     cfg = composed("+model=gpt2", "zero=stage2", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=16",
                    "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=10", "hardware.host_mem_gib=256")
@@ -393,6 +405,7 @@ def test_autofit_prefers_micro_batch_then_checkpointing():
     assert not [o for o in d.overrides if o.startswith(("zero=", "offload"))]
 
 
+@pytest.mark.heavy
 def test_gate_modes():
     cfg = composed(*LARGE_FP32, "hardware.gpus_per_node=8")
     hw = resolve_hardware(cfg.hardware, None)
@@ -406,6 +419,7 @@ def test_gate_modes():
     assert fits.ok and fits.mode == GateMode.strict and not fits.changes
 
 
+@pytest.mark.heavy
 def test_gate_refuses_when_nothing_fits():
     cfg = composed("+model=gpt2-xl", "precision=bf16", "data.seq_len=1024", "hardware.gpus_per_node=1",
                    "hardware.gpu_mem_gib=1", "hardware.host_mem_gib=8")
@@ -438,6 +452,7 @@ def test_table_rows_are_valid_combinations():
 # --------------------------------------------------------------------------------------------- pipeline
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["tiny-gpt2", "gpt2", "gpt2-xl", "tiny-bert", "bert-base-uncased", "roberta-base"])
 def test_pipeline_layer_params_match_deepspeeds_count(name):
     """The layer list and the weights DeepSpeed's _count_layer_params gives zerorun.pipeline's layer specs
@@ -450,6 +465,7 @@ def test_pipeline_layer_params_match_deepspeeds_count(name):
     assert [w for _, w in M.pipeline_layer_params(M.param_breakdown(m))] == counted
 
 
+@pytest.mark.heavy
 def test_partitions_are_deepspeeds():
     import random
 
@@ -468,6 +484,7 @@ def pipeline_estimate(*overrides, world=GPU8, hw=A100_8):
     return estimate(composed("parallel=pipeline", *overrides), world, hw)
 
 
+@pytest.mark.heavy
 def test_pipeline_estimate_is_per_stage():
     # gpt2 over 4 stages × 2 data-parallel replicas, 8 micro-batches per step, 1024 tokens.
     e = pipeline_estimate("+model=gpt2", "parallel.stages=4", "trainer.micro_batch_size=2",
@@ -492,6 +509,7 @@ def test_pipeline_estimate_is_per_stage():
     assert max(s["model_state_bytes"] for s in stages) < dp.model_state_bytes / 2
 
 
+@pytest.mark.heavy
 def test_pipeline_activations_scale_with_the_stages_in_flight_micro_batches():
     base = ("+model=gpt2", "parallel.stages=2", "parallel.partition=uniform", "trainer.micro_batch_size=1",
             "data.seq_len=512")
@@ -509,6 +527,7 @@ def test_pipeline_activations_scale_with_the_stages_in_flight_micro_batches():
     assert s0 == 2 * (act.outside_first + blocks * act.recompute_layer + act.checkpoint_per_layer)
 
 
+@pytest.mark.heavy
 def test_a_stage_of_embeddings_alone_recomputes_no_layer_in_backward():
     """partition=parameters gives BERT's large word table a stage of its own: its backward has no transformer
     layer to recompute and no layer's gradient working set (tiny BERT's stage 0 read +17% when it had)."""
@@ -533,6 +552,7 @@ PIPE_LARGE = ("parallel=pipeline", "+model=gpt2-large", "parallel.stages=2", "tr
               "data.seq_len=1024", "hardware.gpus_per_node=2", "hardware.gpu_mem_gib=16")
 
 
+@pytest.mark.heavy
 def test_gate_refuses_a_pipeline_by_its_worst_stage():
     cfg, world, hw = planned(*PIPE_LARGE, "trainer.global_batch_size=64")
     d = gate(cfg, world, hw, GateMode.strict)
@@ -544,6 +564,7 @@ def test_gate_refuses_a_pipeline_by_its_worst_stage():
     assert fixed.ok and all(s["fits"] for s in fixed.estimate.stages)
 
 
+@pytest.mark.heavy
 def test_autofit_keeps_a_pipeline_within_zero1_and_its_micro_batches_consistent():
     cfg, world, hw = planned(*PIPE_LARGE, "parallel.micro_batches=4")
     for cand in _candidates(cfg, world, global_batch(cfg, world)):
@@ -577,6 +598,7 @@ def test_estimate_table_for_a_pipeline_lists_its_stages():
 # --------------------------------------------------------------------------------------------- buckets
 
 
+@pytest.mark.heavy
 def test_zero12_buckets_live_only_in_backward_zero3s_for_the_whole_run():
     bucket = "reduce buckets"
     for stage in (1, 2):
@@ -596,6 +618,7 @@ def test_reduced_before_flushes_when_the_next_gradient_would_overflow():
     assert reduced_before([25, 1], 10)
 
 
+@pytest.mark.heavy
 def test_gradients_sit_in_a_bucket_that_holds_the_model_until_the_end_of_backward():
     """tiny GPT-2's default bucket holds every gradient: no gradient partition during backward, then one at the
     end next to the bucket; with hidden² buckets the partition is counted from the start (measured both)."""

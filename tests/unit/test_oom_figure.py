@@ -17,6 +17,7 @@ def est(cfg, world=CPU2, hw=CPU_HOST, cal=M.DEFAULT_CALIBRATION):
     return M.estimate(cfg, make_plan(cfg, world), hw, cal=cal)
 
 
+@pytest.mark.heavy
 def test_cpu_ranks_count_process_heap_and_overhead_as_named_terms():
     low = "launcher.mmap_threshold_mib=1"
     e = est(composed("+model=gpt2", "precision=bf16", "data.seq_len=256", "trainer.micro_batch_size=2", low))
@@ -46,6 +47,7 @@ def test_gpu_ranks_have_no_cpu_heap_terms():
     assert "heap retention" not in e.components and "CUDA context" in e.components
 
 
+@pytest.mark.heavy
 def test_capacity_is_what_the_machine_can_still_give():
     cfg = composed("+model=gpt2", "data.seq_len=256", "trainer.micro_batch_size=2")
     roomy = Hardware("cpu", 0, 0, 64 * GIB, 1, 2, fp16_ok=False)
@@ -83,6 +85,7 @@ def test_mem_available_and_cgroup_headroom_from_fake_files(tmp_path):
     assert cgroup_headroom_bytes(str(v2), str(root)) is None
 
 
+@pytest.mark.heavy
 def test_a_measured_correction_applies_only_to_its_key():
     cfg = composed("+model=tiny-gpt2", "zero=stage2")
     plan = make_plan(cfg, CPU2)
@@ -139,6 +142,7 @@ def test_world_of_one_world_of_two():
     assert grads(two) < grads(one)
 
 
+@pytest.mark.heavy
 def test_auto_mmap_threshold_is_the_validated_setting_and_fast_ones_are_explicit():
     from zerorun.memory import resolve_mmap_threshold
 
@@ -168,6 +172,7 @@ def test_auto_mmap_threshold_is_the_validated_setting_and_fast_ones_are_explicit
     assert "MALLOC_MMAP_THRESHOLD_" not in env
 
 
+@pytest.mark.heavy
 def test_the_export_is_a_phase_of_rank_0_and_the_other_ranks_keep_their_training_figure():
     """Only global rank 0 writes the export. ZeRO-3 clones the whole model there next to the re-gathered
     parameters (GPT-2 small fp32 + CPU offload: rank 0 rose 253 MiB above its training peak while exporting); a
@@ -189,6 +194,7 @@ def test_the_export_is_a_phase_of_rank_0_and_the_other_ranks_keep_their_training
     assert first["export"]["model gathered for export"] >= (pipe.params - pipe.stages[0]["params"]) * 2
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("change", ["adapter=lora", "model.num_kv_heads=1", "model.head_dim=16",
                                     "model.tie_word_embeddings=true", "model.model_type=qwen2", "adapter.r=64",
                                     "trainer.fused_loss=false"])
@@ -199,6 +205,7 @@ def test_the_correction_key_holds_every_field_that_changes_memory(change):
     assert key(cfg) != key(other)
 
 
+@pytest.mark.heavy
 def test_when_only_the_host_stops_every_config_the_refusal_names_host_ram():
     # Llama-3.2-1B on 8 × 24 GiB GPUs with a 24 GiB host: ZeRO-2 fits each GPU, but the 8 ranks each build the fp32
     # model on the host first (~53 GiB). The fix used to say "add GPUs", which needs more host RAM, not less.

@@ -100,6 +100,7 @@ def test_deepspeed_arch_list(value, expected):
     assert ops.deepspeed_arch_list(value) == expected
 
 
+@pytest.mark.heavy
 def test_a_build_lock_whose_owner_died_is_taken_over_and_said(tmp_path):
     """A build stopped by Ctrl-C leaves torch's lock file; the next load takes it over instead of waiting forever."""
     lines = []
@@ -115,6 +116,7 @@ def test_a_build_lock_whose_owner_died_is_taken_over_and_said(tmp_path):
     assert not lock.exists()
 
 
+@pytest.mark.heavy
 def test_a_live_or_unowned_build_lock_is_waited_on(tmp_path):
     """A lock whose owner runs, and torch's own (no owner written: a process without zerorun's lock), are held."""
     baton = ops.owned_baton(lambda line: None)
@@ -125,6 +127,7 @@ def test_a_live_or_unowned_build_lock_is_waited_on(tmp_path):
     assert not ops.stale(str(tmp_path / "lock")) and not baton(str(tmp_path / "lock")).try_acquire()
 
 
+@pytest.mark.heavy
 def test_waiting_ends_when_the_owner_dies(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("999999999 1.00")  # no such pid

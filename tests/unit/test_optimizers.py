@@ -14,6 +14,7 @@ from zerorun.memory.states import optimizer_state_bytes
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 
+@pytest.mark.heavy
 def test_each_optimizer_renders_what_deepspeed_needs():
     cfg, plan = planned("optimizer=adamw8bit", "zero=stage2", "offload=cpu")
     ds = render(cfg, plan)
@@ -49,6 +50,7 @@ def test_eight_bit_states_save_six_bytes_per_parameter_in_the_estimate():
     assert e8.per_rank_peak_bytes < base.per_rank_peak_bytes - 8 * 2**30
 
 
+@pytest.mark.heavy
 def test_autofit_switches_to_eight_bit_only_when_allowed():
     # One 16 GiB GPU: ZeRO cannot partition anything, so only CPU offload or 8-bit states fit GPT-2 large.
     one = World(nproc_per_node=1, nnodes=1, accelerator="cuda")
@@ -66,6 +68,7 @@ def test_autofit_switches_to_eight_bit_only_when_allowed():
     assert not strict.ok and "Or with 8-bit optimizer states" in strict.message, strict.message
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed (pip install 'zerorun[8bit]')")
 @pytest.mark.parametrize("numel", [476_928, 1_000_003, 4_095])
 def test_eight_bit_state_formula_is_what_bitsandbytes_allocates(numel):
@@ -96,6 +99,7 @@ def test_runtime_oom_repair_never_switches_the_optimizer():
     assert all(c.key != "optimizer.name" for _, changes in steps for c in changes)
 
 
+@pytest.mark.heavy
 def test_resuming_another_optimizers_states_is_refused(tmp_path):
     import json
 

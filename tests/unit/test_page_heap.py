@@ -1,6 +1,7 @@
 """A preloaded allocator's page-heap term (memory/page_heap.py): the step's flat blocks need heap of their own only
 where no freed activation block can hold them, and a loss peak needs one more fp32 logits block, or one for each
 logits span the optimizer's lazily created states took."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import CPU2, CPU_HOST, composed
@@ -44,6 +45,7 @@ def test_a_partition_a_freed_block_can_hold_adds_nothing_at_the_step():
     assert e.components[PAGE_HEAP_TERM] < 0.02 * e.per_rank_peak_bytes  # was 15% of the peak: 13.7% over
 
 
+@pytest.mark.heavy
 def test_states_created_at_the_first_step_take_the_logits_spans_they_fit():
     assert logits_spans_taken(350, [237, 237]) == 2  # one span each: neither fits what the other left
     assert logits_spans_taken(350, [100, 200]) == 1  # the second fits what the first left (best fit)
@@ -67,6 +69,7 @@ def test_states_created_at_the_first_step_take_the_logits_spans_they_fit():
     assert logits_spans_taken(e.phases["loss"]["logits + loss"] // 3, lazy_state_blocks(cfg, plan, e.params // 2)) == 0
 
 
+@pytest.mark.heavy
 def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     # Sampled (-19.0% before): GPT-2 small ZeRO-1 bf16 SGD, one rank, micro 5 x 176. Start-up: the fp32 model as built
     # (475 MiB), its bf16 cast and DeepSpeed's flat bf16 copy (237 each), the fp32 master and a transient (475 each):
@@ -85,6 +88,7 @@ def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     assert e3.components[PAGE_HEAP_TERM] < 1_500 * MIB
 
 
+@pytest.mark.heavy
 def test_a_pipeline_stage_of_the_embeddings_alone_frees_no_layer_blocks():
     # Held-out set 1795790665: MiniLM, 2-stage pipeline, ZeRO-1 fp32, micro 7 x 384. Stage 0 holds the embeddings
     # alone (a 45 MiB partition), yet the term took MiniLM's 47 MB attention-score block as freed there and counted
@@ -102,6 +106,7 @@ def test_a_pipeline_stage_of_the_embeddings_alone_frees_no_layer_blocks():
     assert lazy_state_blocks(*_planned("+model=tiny-gpt2", "parallel=pipeline", "precision=bf16"), 10**7) != []
 
 
+@pytest.mark.heavy
 def test_the_bound_leaves_room_for_one_more_logits_block_at_zero12():
     # GPT-2 small, ZeRO-1, bf16, SGD, checkpointing, micro 14 x 240 on one rank: 4,909 and 4,851 MiB in two runs,
     # 5,475 with the heap sampler's thread beside it (one more 644 MiB fp32 logits block), through what the bound
@@ -125,6 +130,7 @@ def test_glibc_has_no_page_heap_term():
 
 
 # Shapes vary widely; the term stays within what its two rules can add.
+@pytest.mark.heavy
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(model=st.sampled_from(["tiny-gpt2", "tiny-bert", "tiny-llama"]), stage=st.integers(0, 3),
        dtype=st.sampled_from(["fp32", "bf16"]), micro=st.integers(1, 16), seq=st.sampled_from([32, 128, 256]),

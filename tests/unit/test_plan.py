@@ -1,6 +1,8 @@
 """The resolved plan: what a config implies on a world, computed once, and its round trip through plan.json."""
 import json
 
+import pytest
+
 from helpers import CPU2, GPU8, composed
 from zerorun.config import OptimizerImpl, Plan, TaskName, make_plan
 
@@ -17,6 +19,7 @@ def test_the_plan_resolves_task_batch_offload_and_optimizer():
     assert plan.tokens_per_step == 64 * plan.seq_len
 
 
+@pytest.mark.heavy
 def test_buckets_are_ddps_25_mib_capped_at_the_model():
     sizes = lambda *o: make_plan(composed(*o), GPU8).buckets.reduce_bucket_size  # noqa: E731
     assert sizes("+model=gpt2") == 25 * 2**20 // 4  # fp32 gradients
@@ -24,6 +27,7 @@ def test_buckets_are_ddps_25_mib_capped_at_the_model():
     assert sizes("+model=gpt2", "zero.reduce_bucket_size=1000") == 1000  # the user's
 
 
+@pytest.mark.heavy
 def test_optimizer_implementation_follows_ranks_and_offload():
     assert make_plan(composed(), CPU2).optimizer == OptimizerImpl.torch_adamw
     assert make_plan(composed(), GPU8).optimizer == OptimizerImpl.fused_adam
@@ -42,6 +46,7 @@ def test_plan_round_trips_through_json():
     assert back == plan and back.nvme_path == "/nvme"
 
 
+@pytest.mark.heavy
 def test_padded_batches_are_planned_at_the_longest_example_not_data_seq_len():
     """Classification pads each batch to its own longest row: 10-token reviews under data.seq_len=128 never make a
     128-token batch (the estimate read +31% of MiniLM's peak RSS). Packed LM blocks are always seq_len long."""

@@ -1,10 +1,13 @@
 """Third-party chatter off the terminal by default (zerorun.quiet); verbose=true shows it all."""
 import logging
 
+import pytest
+
 from helpers import composed
 from zerorun import quiet
 
 
+@pytest.mark.heavy
 def test_the_deepspeed_cli_logs_errors_only_unless_verbose():
     argv = ["/venv/bin/deepspeed", "--num_gpus", "2", "--module", "zerorun.train", "/r"]
     assert quiet.launcher_argv(argv, verbose=False) == [argv[0], "--log_level=error", *argv[1:]]
@@ -14,6 +17,7 @@ def test_the_deepspeed_cli_logs_errors_only_unless_verbose():
     assert composed().verbose is False and composed("verbose=true").verbose is True
 
 
+@pytest.mark.heavy
 def test_library_info_and_the_lr_noise_stay_off_the_terminal_and_info_goes_to_the_log(tmp_path):
     import io
 
@@ -51,6 +55,7 @@ def test_library_info_and_the_lr_noise_stay_off_the_terminal_and_info_goes_to_th
                 h.close()
 
 
+@pytest.mark.heavy
 def test_a_healthy_loss_type_warning_is_gone():
     from zerorun.config import TaskName
     from zerorun.models import build_model

@@ -1,6 +1,7 @@
 """The run-dir contract: what the launcher writes is what a rank reads back."""
 import dataclasses
 
+import pytest
 from omegaconf import OmegaConf
 
 from helpers import CPU2, composed
@@ -10,6 +11,7 @@ from zerorun.ds_config import render
 from zerorun.rundir import RunDir
 
 
+@pytest.mark.heavy
 def test_inputs_round_trip_and_config_agrees_with_the_json(tmp_path):
     cfg = composed("zero=stage3", "offload=nvme", "trainer.micro_batch_size=2", "trainer.global_batch_size=8")
     rd = RunDir(tmp_path / "run")

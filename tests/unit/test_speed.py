@@ -21,6 +21,7 @@ def terms(*overrides, world=GPU8):
     return predict_step_time(cfg, plan)
 
 
+@pytest.mark.heavy
 def test_each_term_follows_its_cause():
     base = terms(*GPT2, "zero=stage2")
     assert base.terms["compute"] > 0 and base.terms["recompute"] == 0 and base.tokens_per_s > 0
@@ -41,6 +42,7 @@ def test_each_term_follows_its_cause():
     assert nodes.terms["grad_comm"] > 2 * base.terms["grad_comm"]  # between nodes, not NVLink
 
 
+@pytest.mark.heavy
 def test_smaller_micro_batches_cost_per_micro_batch_overhead_and_efficiency():
     big = terms(*GPT2, "trainer.global_batch_size=64")
     small = terms(*GPT2, "trainer.global_batch_size=64", "trainer.micro_batch_size=1")
@@ -49,6 +51,7 @@ def test_smaller_micro_batches_cost_per_micro_batch_overhead_and_efficiency():
     assert small.seconds > big.seconds
 
 
+@pytest.mark.heavy
 def test_cpu_ranks_pay_page_faults_at_a_low_mmap_threshold():
     # 1 MiB: every activation is mapped and faulted anew each micro-batch; 32: the larger ones (the logits);
     # 0 (mmap off): none.
@@ -68,12 +71,14 @@ def test_a_pipeline_pays_its_bubble():
     assert st.terms["bubble"] == pytest.approx(slot, rel=1e-6)  # (stages - 1) idle micro-batch slots
 
 
+@pytest.mark.heavy
 def test_profiles_are_picked_by_accelerator():
     cfg, plan = planned("+model=tiny-gpt2", world=CPU2)
     assert predict_step_time(cfg, plan).seconds == predict_step_time(cfg, plan, CPU_RANK).seconds
     assert predict_step_time(cfg, plan, CUDA_GPU).seconds < predict_step_time(cfg, plan, CPU_RANK).seconds
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("overrides", [
     ("+model=gpt2-large", "precision=bf16", "data.seq_len=1024", "trainer.micro_batch_size=8",
      "hardware.gpus_per_node=8", "hardware.gpu_mem_gib=12", "hardware.host_mem_gib=256"),
@@ -103,6 +108,7 @@ def test_autofit_takes_the_fastest_predicted_config_that_fits(overrides):
     assert [c.override() for c in fit.changes] == first
 
 
+@pytest.mark.heavy
 def test_autofit_beats_the_fixed_ladder_where_a_larger_micro_batch_is_worth_a_change():
     # 8 × 13 GiB for GPT-2 large: the fixed ladder (micro-batch first, then checkpointing, then a higher stage)
     # stopped at ZeRO-1 with micro-batch 1; the step-time model keeps a larger micro-batch (recomputation costs
@@ -141,6 +147,7 @@ def test_a_gradient_larger_than_the_bucket_is_reduced_in_one_call():
     assert reduce_calls(bd, 10**9) == 1  # everything fits one bucket
 
 
+@pytest.mark.heavy
 def test_lora_steps_and_reduces_only_the_adapters_and_skips_the_frozen_weight_gradients():
     """A frozen base has no weight-gradient matmuls (backward 2 FLOPs per weight instead of 4) and nothing to
     reduce, gather or step but the adapters: the speed model autofit ranks by knows it (issue 26)."""

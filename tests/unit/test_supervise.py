@@ -20,6 +20,7 @@ def oom(step=5):
     return {"kind": "oom", "rank": 1, "step": step}
 
 
+@pytest.mark.heavy
 def test_oom_halves_the_micro_batch_and_keeps_the_global_batch():
     first = launch("trainer.micro_batch_size=8")
     v = decide(first, Ended(rc=3, completed=False, records=[oom()]), history=[])
@@ -50,6 +51,7 @@ def test_oom_retries_are_capped():
     assert v.action == "stop" and v.code == faults.EXIT_OOM and "oom_retries=3" in v.reason
 
 
+@pytest.mark.heavy
 def test_preemption_stops_with_the_resumable_code():
     ended = Ended(rc=1, completed=False, records=[{"kind": "preempted", "rank": 0, "step": 4}])
     v = decide(launch(), ended, [])
@@ -57,6 +59,7 @@ def test_preemption_stops_with_the_resumable_code():
     assert decide(launch(), Ended(rc=1, completed=False, signalled="SIGTERM"), []).code == faults.EXIT_PREEMPTED
 
 
+@pytest.mark.heavy
 def test_restarts_back_off_and_stop_when_the_failure_repeats_at_the_same_step():
     ended = Ended(rc=1, completed=False, last_step=5)
     assert decide(launch(), ended, []).action == "stop"  # max_restarts defaults to 0
@@ -70,6 +73,7 @@ def test_restarts_back_off_and_stop_when_the_failure_repeats_at_the_same_step():
     assert decide(first, Ended(rc=0, completed=True), []).action == "done"
 
 
+@pytest.mark.heavy
 def test_recorded_changes_apply_to_a_later_resume():
     cfg = launch("trainer.micro_batch_size=8").cfg
     again = apply_changes(cfg, [{"key": "trainer.micro_batch_size", "new": 2},
@@ -77,6 +81,7 @@ def test_recorded_changes_apply_to_a_later_resume():
     assert again.trainer.micro_batch_size == 2 and again.offload.device.value == "cpu"
 
 
+@pytest.mark.heavy
 def test_oom_is_recognised_from_what_allocators_raise():
     assert faults.is_oom(MemoryError())
     assert faults.is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "

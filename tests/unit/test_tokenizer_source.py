@@ -33,6 +33,7 @@ def test_has_tokenizer(tmp_path, files, expected):
     assert has_tokenizer(str(tmp_path)) is expected
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_config_json_alone_gets_a_tokenizer_sized_to_the_model(tmp_path, config):
     cfg = composed("+model=hf", f"model.name_or_path={config_only(tmp_path, config)}")

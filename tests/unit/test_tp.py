@@ -31,6 +31,7 @@ def test_a_llama_on_two_ranks_passes_at_every_zero_stage(stage):
     assert problems(*TP2, f"zero=stage{stage}") == []
 
 
+@pytest.mark.heavy
 def test_gpt2_is_refused_because_autotp_rejects_it():
     [p] = problems("+model=tiny-gpt2", "parallel=tp", "parallel.tp_size=2")
     assert p.key == "parallel.mode" and "AutoTP cannot shard gpt2" in p.what and "parallel=dp" in p.fix and one_line(p)
@@ -82,6 +83,7 @@ def test_the_global_batch_counts_data_parallel_ranks_only():
 # ---------------------------------------------------------------------------------------------- plan and JSON
 
 
+@pytest.mark.heavy
 def test_plan_and_deepspeed_json(monkeypatch):
     import deepspeed.runtime.config as ds_runtime_config
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -109,6 +111,7 @@ MEASURED_SHAPES = {"q": (64, 128), "k": (32, 128), "v": (32, 128), "o": (128, 64
                    "up": (176, 128), "down": (128, 176)}
 
 
+@pytest.mark.heavy
 def test_one_ranks_share_is_what_autotp_left_on_it():
     m = composed(*TP2).model
     n = {k: a * b for k, (a, b) in MEASURED_SHAPES.items()}
@@ -146,6 +149,7 @@ def test_the_step_peak_matches_the_live_tensors_measured():
     assert est.params == 28_185_088 and est.summary["params_per_rank"] == param_breakdown(cfg.model, tp=2).total
 
 
+@pytest.mark.heavy
 def test_tp_divides_the_split_states_and_activations_and_keeps_the_rest():
     dp_cfg, dp_plan = planned("+model=tiny-llama", *MEDIUM, "zero=stage0", "trainer.fused_loss=false",  # as TP's
                               world=World(1, 1, "cpu", False))
@@ -162,6 +166,7 @@ def test_tp_divides_the_split_states_and_activations_and_keeps_the_rest():
     assert two.phases["loss"]["logits + loss"] == one.phases["loss"]["logits + loss"] + 4 * t * v // 2
 
 
+@pytest.mark.heavy
 def test_the_estimate_table_has_tp_rows_where_they_apply():
     cfg = composed("+model=llama-3.2-1b", "zero=stage1")  # 8 key/value heads
     rows = tp_table_configs(cfg, GPU8)
