@@ -127,3 +127,16 @@ def test_cuda_ranks_get_expandable_segments_unless_turned_off_or_set_by_the_user
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the user's own wins (inherited)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cuda", 4)
 
+
+
+def test_cpu_ranks_bound_the_16_bit_kernel_caches_unless_the_user_set_them(monkeypatch):
+    from zerorun.launcher import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, rank_env
+
+    for name in KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cpu = rank_env("cpu", 1)
+    assert {k: cpu[k] for k in KERNEL_CACHE_VARIABLES} == {k: str(KERNEL_CACHE_ENTRIES) for k in KERNEL_CACHE_VARIABLES}
+    assert not set(KERNEL_CACHE_VARIABLES) & set(rank_env("cuda", 4))  # GPU ranks run no oneDNN matmul
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")  # the user's own wins (inherited by the ranks)
+    cpu = rank_env("cpu", 1)
+    assert "LRU_CACHE_CAPACITY" not in cpu and cpu["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(KERNEL_CACHE_ENTRIES)
