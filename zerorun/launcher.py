@@ -54,6 +54,9 @@ def _exe(plan: LaunchPlan, name: str) -> str:
 
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
+"""CUDA ranks: PyTorch's caching allocator grows segments in place instead of caching fixed blocks, the standard
+fix for OOMs from fragmentation mid-run (reserved far above allocated). launcher.expandable_segments=false drops
+it; a PYTORCH_CUDA_ALLOC_CONF the user set wins."""
 KERNEL_CACHE_ENTRIES = 128
 """CPU ranks: entries in oneDNN's primitive cache and PyTorch's ideep LRU cache (1024 each by default). A 16-bit
 matmul on CPU runs a oneDNN kernel built for its exact shape, and each cache keeps one per shape seen, at ~0.3-2
@@ -62,9 +65,6 @@ of experts routes a different number of tokens to each expert every step, so at 
 grew 590 -> 1,100 MiB over 8 steps (docs/memory.md §5.4). At 128: 592 MiB, the same tokens/s (7,910 against
 7,748); at 64 the MoE ran 0.92x, re-building kernels it still needed."""
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-"""CUDA ranks: PyTorch's caching allocator grows segments in place instead of caching fixed blocks, the standard
-fix for OOMs from fragmentation mid-run (reserved far above allocated). launcher.expandable_segments=false drops
-it; a PYTORCH_CUDA_ALLOC_CONF the user set wins."""
 
 
 def extensions_dir() -> str:
