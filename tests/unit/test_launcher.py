@@ -128,7 +128,6 @@ def test_cuda_ranks_get_expandable_segments_unless_turned_off_or_set_by_the_user
     assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_env("cuda", 4)
 
 
-
 def test_cpu_ranks_bound_the_16_bit_kernel_caches_unless_the_user_set_them(monkeypatch):
     from zerorun.launcher import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, rank_env
 
