@@ -37,11 +37,13 @@ def estimate_all(names: Sequence[str], use_shipped: bool, log=print) -> Dict[str
     """The cache entries zerorun-estimate writes for ``names`` (by file stem: kind-digest) into an empty cache:
     with ``use_shipped``, only what the shipped file lacks; without, everything, traced afresh."""
     from . import estimate_cli
+    from . import arch
     from .arch import traced
     from .memory import buffers, params
 
     traced.USE_SHIPPED = use_shipped
-    for memo in (traced._MEMO.clear, params.breakdown.cache_clear, buffers.zero3_live_peak.cache_clear):
+    for memo in (traced._MEMO.clear, params.breakdown.cache_clear, buffers.zero3_live_peak.cache_clear,
+                 arch._census.cache_clear, arch._saved_sizes.cache_clear):
         memo()  # what this process already holds in front of the cache, shipped entries included
     before = os.environ.get("ZERORUN_CACHE")
     try:

@@ -165,3 +165,22 @@ def test_the_shipped_files_have_the_published_sizes(name, total):
     from zerorun.arch import count_params
 
     assert count_params(composed(f"+model={name}").model) == total
+
+
+def test_the_in_process_memo_answers_by_the_config_json_fields():
+    """zerorun.arch's memo in front of the trace cache (a gate asks for the same traces hundreds of times): the
+    same fields give the same answer object, any changed field a fresh one that equals the trace's own."""
+    import json
+    from types import SimpleNamespace
+
+    from zerorun import arch
+
+    small = SimpleNamespace(model_type="llama", hf_config=json.dumps(TYPES["llama"]))
+    wider = SimpleNamespace(model_type="llama", hf_config=json.dumps(dict(TYPES["llama"], intermediate_size=256)))
+    assert arch.census(small, "causal_lm") is arch.census(small, "causal_lm")
+    assert arch.census(wider, "causal_lm").total == traced.census("llama", json.loads(wider.hf_config),
+                                                                  "causal_lm").total
+    assert arch.census(wider, "causal_lm").total > arch.census(small, "causal_lm").total
+    args = ("causal_lm", 2, 3, 32, "fp32", True)
+    assert arch.saved_sizes(wider, *args) == traced.saved_sizes("llama", json.loads(wider.hf_config), *args)
+    assert arch.saved_sizes(wider, *args) != arch.saved_sizes(small, *args)

@@ -94,11 +94,43 @@ def hf_fields(m) -> Dict:
     return json.loads(m.hf_config) if isinstance(m.hf_config, str) else dict(m.hf_config)
 
 
+def hf_fields_text(m) -> str:
+    """``hf_fields(m)`` as one string: the key of the in-process memos below."""
+    import json
+
+    return m.hf_config if isinstance(m.hf_config, str) else json.dumps(dict(m.hf_config), sort_keys=True)
+
+
 def census(m, task: str, num_labels: int = 2):
     """The parameter tensors of a traced model, from its meta-device instance (traced.py)."""
+    return _census(m.model_type, hf_fields_text(m), _name(task), num_labels)
+
+
+def saved_sizes(m, task: str, num_labels: int, batch: int, seq: int, dtype: str, no_cache: bool, lora=None,
+                dropout_off: bool = False):
+    """What one training forward of a traced model saves (traced.saved_sizes)."""
+    return _saved_sizes(m.model_type, hf_fields_text(m), task, num_labels, batch, seq, dtype, no_cache, lora,
+                        dropout_off)
+
+
+# In front of traced.py's cache: a gate's hundreds of candidate estimates ask for the same few traces, and the
+# cache's own key (a digest of the JSON of every field) costs more than the arithmetic that uses them.
+@functools.lru_cache(maxsize=256)
+def _census(model_type: str, fields: str, task: str, num_labels: int):
+    import json
+
     from .traced import census as traced_census
 
-    return traced_census(m.model_type, hf_fields(m), _name(task), num_labels)
+    return traced_census(model_type, json.loads(fields), task, num_labels)
+
+
+@functools.lru_cache(maxsize=1024)
+def _saved_sizes(model_type: str, fields: str, *args):
+    import json
+
+    from .traced import saved_sizes as traced_saved_sizes
+
+    return traced_saved_sizes(model_type, json.loads(fields), *args)
 
 
 def param_tensors(m, task: str, num_labels: int = 2, tp: int = 1):

@@ -281,13 +281,12 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
     (the s² tensors CPU's math path saves with dropout are not CUDA's). Checkpointing keeps each layer's hidden
     input and the layers' other inputs nothing saves (a materialised mask), and recomputes one layer on the path
     without a KV cache. The working set of one layer's backward and the loss transient are the template's."""
-    from ..arch import hf_fields
-    from ..arch.traced import saved_sizes
+    from ..arch import saved_sizes
 
     task_name = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)).value
     lora_key = (tuple(lora[0]), int(lora[1]), float(lora[2])) if lora is not None else None
-    trace = lambda no_cache: saved_sizes(m.model_type, hf_fields(m), task_name, num_labels, b, s,  # noqa: E731
-                                         Dtype(dtype).value, no_cache, lora_key, dropout_off=accelerator == "cuda")
+    trace = lambda no_cache: saved_sizes(m, task_name, num_labels, b, s, Dtype(dtype).value, no_cache,  # noqa: E731
+                                         lora_key, dropout_off=accelerator == "cuda")
     layer, outside, _, logits = trace(False)
     recompute, outside_nc, kept_inputs, logits_nc = trace(True)
     e, t = DTYPE_BYTES[Dtype(dtype)], b * s

@@ -7,7 +7,7 @@ by place: the device (GPU, or host RAM on CPU ranks), pinned host RAM (offload) 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, List, Tuple
 
@@ -66,6 +66,11 @@ def pinned_resident(nbytes: float) -> int:
     in the allocator's cache for reuse, never returned to the system (measured on an H200, docs/memory.md §8.6)."""
     n = int(math.ceil(nbytes))
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def pinned_total(sizes: Iterable[float]) -> int:
+    """``pinned_resident`` summed over many blocks, once per distinct size (a model repeats its layers' shapes)."""
+    return sum(pinned_resident(n) * count for n, count in Counter(sizes).items())
 
 
 PINNED_CACHE = "pinned partitions, freed to the host cache"
@@ -184,7 +189,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
             # partition_parameters.py pins each partition as DeepSpeed partitions the module; stage3.py then
             # moves them into the flat buffer, and the freed blocks stay in the host allocator's cache.
             threshold = plan.buckets.stage3_param_persistence_threshold
-            cached = sum(pin(math.ceil(t / N) * p) for t in bd.tensors() if t > threshold) if pinning else 0
+            cached = pinned_total((math.ceil(t / N) * p for t in bd.tensors() if t > threshold)) if pinning else 0
             host.append((PINNED_CACHE, cached))
         else:
             dev.append(("parameters", part * p))
@@ -222,7 +227,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
             host.append(("16-bit param staging (host)", pin(tpart * p)))
             host.append(("grad staging buffer (host)", pin(bd.largest_trainable * g)))
             if plan.grad_accum_steps > 1:  # one pinned buffer per parameter (``buffer_to_accumulate_to_in_cpu``)
-                accumulated = sum(pin(t * g) for t in trainable_tensors(bd)) / N if pinning else tpart * g
+                accumulated = pinned_total(t * g for t in trainable_tensors(bd)) / N if pinning else tpart * g
                 host.append(("accumulated gradients (host)", accumulated))
             dev.append(("offload staging buffer", bd.largest_trainable * g))  # temp_grad_buffer_for_gpu_offload
         else:
