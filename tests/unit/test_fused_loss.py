@@ -50,17 +50,26 @@ def test_the_chunked_loss_and_its_gradients_are_the_models_own(tokens, hidden, v
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_one_chunks_blocks_exist_at_a_time_as_the_gate_counts_them(softcap):
+    import json
+    from types import SimpleNamespace
+
+    from zerorun.memory.activations import Activations, with_fused_loss
     from zerorun.telemetry import live_bytes
     from zerorun.train.fused_loss import _chunked
 
-    tokens, hidden, vocab, chunk = 1024, 16, 2000, 256
+    tokens, hidden, vocab = 1024, 16, 2000
+    chunk = fused_chunk_tokens(tokens, hidden, vocab)
+    assert chunk < tokens  # several chunks, so that "one at a time" is what is measured
     h = torch.randn(tokens, hidden, dtype=torch.bfloat16)
     w = torch.randn(vocab, hidden, dtype=torch.bfloat16)  # a frozen head: no gradient of its own
     labels = torch.randint(0, vocab, (tokens,))
     with live_bytes() as tracker:
         _chunked(h, w, None, labels, chunk, softcap, grads=True)
-    # with_fused_loss's transient in bf16: fp32 logits + their bf16 matmul output or gradient (+ the tanh)
-    counted = chunk * vocab * (4 + 2 + (4 if softcap else 0))
+    # the gate's loss transient for this head in bf16 on a CPU rank, the head frozen
+    model = SimpleNamespace(vocab_size=vocab, hidden_size=hidden,
+                            hf_config=json.dumps({"final_logit_softcapping": softcap} if softcap else {}))
+    act = Activations("sdpa-fused", 0, 0, 0, 0, 0, 0, num_layers=1, checkpointing=False)
+    counted = with_fused_loss(act, model, tokens, 2, head_trains=False, accelerator="cpu").logits_loss
     # the inputs (counted as the tracker first sees views of them), the hidden states' gradient, per-row vectors
     small = h.nbytes + w.nbytes + 2 * tokens * hidden + 64 * chunk * 4
     assert counted <= tracker.peak <= counted + small
