@@ -126,6 +126,27 @@ def test_unknown_keys_are_found_with_suggestions():
         compose(["trainer.max_step=3"])  # zerorun-estimate and the tests compose through the same check
 
 
+def test_a_key_of_another_group_is_named():
+    """optimizer.lr is no key, but trainer.lr is: the one key of the schema with that last name is suggested."""
+    assert [str(p) for p in unknown_override_keys(["optimizer.lr=0.1"])] \
+        == ["unknown key optimizer.lr (did you mean trainer.lr?). Fix: correct the spelling."]
+    hint = str(unknown_override_keys(["optimizer.nonsense=1"])[0])
+    assert "optimizer has: name, momentum" in hint and "did you mean" not in hint
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("override, says", [
+    ("data.seq_len=abc", "data.seq_len: Value 'abc' of type 'str' could not be converted to Integer. "
+                         "Fix: data.seq_len=128 (the default) or another value of its type."),
+    ("trainer.activation_checkpointing=maybe", "trainer.activation_checkpointing=false (the default)"),
+])
+def test_a_value_of_the_wrong_type_on_the_command_line_names_its_key_and_default(override, says):
+    """Hydra's own answer was "Error merging override data.seq_len=abc": the key, but not what is wrong."""
+    with pytest.raises(UserError) as e:
+        compose(["+model=tiny-gpt2", override])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.heavy
 def test_enum_choices_are_refused_while_composing():
     with pytest.raises(UserError, match="parallel.partition"):

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import functools
 import os
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError, UserError
 from .schema import Family, RunConfig, register_schemas
@@ -25,6 +25,18 @@ def _field_type(f: dataclasses.Field) -> Any:
     return factory if factory is not None and dataclasses.is_dataclass(factory) else None
 
 
+@functools.lru_cache(maxsize=1)
+def schema_keys() -> Tuple[str, ...]:
+    """Every dotted key of the schema, leaves and groups."""
+    def walk(node, prefix):
+        for f in dataclasses.fields(node):
+            yield prefix + f.name
+            sub = _field_type(f)
+            if sub is not None:
+                yield from walk(sub, f"{prefix}{f.name}.")
+    return tuple(walk(RunConfig, ""))
+
+
 def schema_problem(key: str) -> Optional[str]:
     """None when the dotted ``key`` is in the schema (or below a free-form dict such as deepspeed.*),
     else why not, with the closest spelling."""
@@ -37,8 +49,11 @@ def schema_problem(key: str) -> Optional[str]:
         if part not in fields:
             close = difflib.get_close_matches(part, fields, n=1)
             where = ".".join(parts[:i]) or "the config"
-            return (f"did you mean {'.'.join(parts[:i] + [close[0]] + parts[i + 1:])}?" if close
-                    else f"{where} has: {', '.join(fields)}")
+            if close:
+                return f"did you mean {'.'.join(parts[:i] + [close[0]] + parts[i + 1:])}?"
+            # the right name in another group (optimizer.lr is trainer.lr)
+            elsewhere = [k for k in schema_keys() if k.rsplit(".", 1)[-1] == parts[-1]] if i == len(parts) - 1 else []
+            return f"did you mean {elsewhere[0]}?" if len(elsewhere) == 1 else f"{where} has: {', '.join(fields)}"
         node = _field_type(fields[part])
     return None
 
@@ -199,10 +214,19 @@ def _schema() -> DictConfig:
 def typing_error(e: Exception) -> UserError:
     """OmegaConf's refusal of a value (wrong type, unknown enum, bad interpolation) as one line naming the key
     (its full_key), whatever the message's first line says."""
+    from omegaconf import OmegaConf
+
     key = str(getattr(e, "full_key", "") or "")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return UserError(f"{key}: {first}" if key and key not in first else first,
-                     "check the key's type (zerorun --cfg job shows every key with its value).", key=key)
+    try:
+        default = OmegaConf.select(_schema(), key) if key else None
+    except Exception:  # noqa: BLE001 (a key the schema cannot select: no default to show)
+        default = None
+    shown = str(default).lower() if isinstance(default, bool) else default
+    fix = f"{key}={shown} (the default) or another value of its type." if default not in (None, "") and \
+        not hasattr(default, "keys") else "check the key's type (zerorun --cfg job shows every key with its value)."
+    what = f"{key}: {first}" if key and key not in first else first
+    return UserError(what if what.endswith((".", "?")) else f"{what}.", fix, key=key)
 
 
 def compose(overrides: Sequence[str], cached: bool = False) -> RunConfig:
@@ -227,6 +251,8 @@ def _compose(overrides: Sequence[str], files_read: List[Optional[str]]) -> RunCo
         with initialize_config_module("zerorun.conf", version_base=None):
             raw = hydra_compose("config", overrides=list(overrides))
     except Exception as e:  # an unknown group option or a malformed override: Hydra's first line says which
+        if type(e.__cause__).__module__.startswith("omegaconf"):  # a value of the wrong type: the key says which
+            raise typing_error(e.__cause__) from None
         raise UserError(str(e).strip().splitlines()[0]) from None
     return to_run_config(raw, files_read)
 
