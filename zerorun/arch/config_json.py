@@ -20,6 +20,9 @@ def model_fields_from_config_json(path: str) -> Dict[str, Any]:
     try:
         d = json.loads(f.read_text())
     except OSError as e:
+        if p.is_dir() and not f.exists():
+            raise ArchitectureError(f"{p}: no config.json in this directory. Fix: model.name_or_path=<the checkpoint "
+                                    "directory that holds the model's config.json>.") from None
         raise ArchitectureError(f"{f}: cannot read it ({e.strerror or e})") from None
     except ValueError as e:
         raise ArchitectureError(f"{f}: not JSON ({e})") from None
@@ -81,8 +84,9 @@ def _traced_fields(kind: str, d: Dict[str, Any], where: str) -> Dict[str, Any]:
         from transformers import CONFIG_MAPPING
 
         if kind not in CONFIG_MAPPING:
-            raise ArchitectureError(f"{where}: model_type {kind!r} is not an architecture transformers knows; "
-                                    "a newer transformers, or a model file (+model=NAME) of a known one")
+            raise ArchitectureError(f"{where}: model_type {kind!r} is not an architecture transformers "
+                                    f"{_transformers_version()} knows. Fix: a newer transformers, or a model file "
+                                    "(+model=NAME) of a known one.")
         fields = clean_fields(d)
         cfg = build_config(kind, fields)
         causal, classifier = kinds_of(kind)
@@ -104,3 +108,9 @@ def _traced_fields(kind: str, d: Dict[str, Any], where: str) -> Dict[str, Any]:
                 vocab_size=cfg.vocab_size, max_positions=getattr(cfg, "max_position_embeddings", None) or 512,
                 tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
                 dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0))
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
