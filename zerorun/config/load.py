@@ -222,7 +222,7 @@ def typing_error(e: Exception) -> UserError:
         default = OmegaConf.select(_schema(), key) if key else None
     except Exception:  # noqa: BLE001 (a key the schema cannot select: no default to show)
         default = None
-    shown = str(default).lower() if isinstance(default, bool) else default
+    shown = str(default).lower() if isinstance(default, bool) else getattr(default, "name", default)  # enum: name
     fix = f"{key}={shown} (the default) or another value of its type." if default not in (None, "") and \
         not hasattr(default, "keys") else "check the key's type (zerorun --cfg job shows every key with its value)."
     what = f"{key}: {first}" if key and key not in first else first
