@@ -139,6 +139,7 @@ def test_a_key_of_another_group_is_named():
     ("data.seq_len=abc", "data.seq_len: Value 'abc' of type 'str' could not be converted to Integer. "
                          "Fix: data.seq_len=128 (the default) or another value of its type."),
     ("trainer.activation_checkpointing=maybe", "trainer.activation_checkpointing=false (the default)"),
+    ("parallel.partition=balanced", "expected one of [parameters, uniform]. Fix: parallel.partition=parameters"),
 ])
 def test_a_value_of_the_wrong_type_on_the_command_line_names_its_key_and_default(override, says):
     """Hydra's own answer was "Error merging override data.seq_len=abc": the key, but not what is wrong."""
