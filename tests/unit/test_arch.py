@@ -64,7 +64,9 @@ def test_gpt2_and_bert_config_json_map_to_their_families(tmp_path):
 
 @pytest.mark.parametrize("content, words", [
     (None, "no config.json in this directory. Fix: model.name_or_path="), ("{", "not JSON"),
-    ('{"model_type": "t5x"}', "'t5x' is not an architecture transformers 4."), ('{"model_type": "t5", "vocab_size": 99, "d_model": 8, "d_ff": 16, "num_layers": 1, "num_heads": 2, "d_kv": 4}', "shape-only trace of t5 failed"),
+    ('{"model_type": "t5x"}', "'t5x' is not an architecture transformers 4."),
+    ('{"model_type": "t5", "vocab_size": 99, "d_model": 8, "d_ff": 16, "num_layers": 1, "num_heads": 2, "d_kv": 4}',
+     "shape-only trace of t5 failed"),
     ('{"model_type": "llama", "hidden_size": 64}', "needs a positive integer"), ("[1]", "not a JSON object")])
 def test_a_config_json_zerorun_cannot_plan_is_one_line_naming_the_key(tmp_path, content, words):
     if content is not None:

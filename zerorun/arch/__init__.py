@@ -17,11 +17,11 @@ from .classic import encoder_tensors, gpt2_tensors
 from .config_json import ArchitectureError, model_fields_from_config_json
 from .decoder import DECODER_TYPES, Decoder, decoder_of
 
-__all__ = ["ArchitectureError", "census", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "count_params",
-           "decoder_description", "decoder_of", "default_task", "fuse_activations", "hf_config_args", "hf_fields", "layer_linears",
-           "lora_layer_tensors",
-           "lora_target_problems", "lora_targets", "peft_lora_defaults",
-           "model_code", "model_fields_from_config_json", "param_tensors", "shape_problems", "traits"]
+__all__ = ["ArchitectureError", "DECODER_TYPES", "Decoder", "FAMILIES", "Traits", "adapted_shapes", "census",
+           "count_params", "decoder_description", "decoder_of", "default_task", "fuse_activations", "hf_config_args",
+           "hf_fields", "hf_fields_text", "layer_linears", "lora_layer_tensors", "lora_target_problems",
+           "lora_targets", "model_code", "model_fields_from_config_json", "param_tensors", "peft_lora_defaults",
+           "saved_sizes", "shape_problems", "traits"]
 
 
 @dataclass(frozen=True)
