@@ -4,15 +4,14 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 #include <fcntl.h>
-#include <stdint.h>
 #include <time.h>
 
 static int (*real_memalign)(void **, size_t, size_t);
 static void *(*real_malloc)(size_t);
 static void (*real_free)(void *);
+static size_t (*usable)(void *);
 static int (*getprop)(const char *, size_t *);
 static int fd = -1;
 static size_t minsz = 32u << 20;
@@ -24,6 +23,7 @@ static void init(void) {
   real_memalign = dlsym(RTLD_NEXT, "posix_memalign");
   real_malloc = dlsym(RTLD_NEXT, "malloc");
   real_free = dlsym(RTLD_NEXT, "free");
+  usable = dlsym(RTLD_NEXT, "malloc_usable_size");
   getprop = dlsym(RTLD_DEFAULT, "MallocExtension_GetNumericProperty");
   const char *d = getenv("BIGALLOC_DIR");
   if (d) {
@@ -63,7 +63,7 @@ void *malloc(size_t sz) {
 }
 void free(void *p) {
   if (!real_free) init();
-  if (p)
+  if (p && (!usable || usable(p) >= minsz))  // only a large block can be in the table: no scan on small frees
     for (int i = 0; i < MAXP; i++)
       if (ptrs[i] == p) {
         ptrs[i] = 0;

@@ -5,9 +5,10 @@ The sampler thread (sitecustomize.py) perturbs placement: GPT-2 small, ZeRO-1, C
 checkpointing, micro 14 × 288, one rank peaked at 3,577 MiB with it and at 4,073 MiB without, three runs alike.
 bigalloc.c is preloaded in front of tcmalloc and logs each allocation of at least BIGALLOC_MIN bytes (32 MiB) and
 its free, with tcmalloc's heap size before and after, from the allocating thread, with no allocation of its own:
-the same rank peaked at 4,073 MiB with it. Each logged event reads tcmalloc's counters under its page-heap lock,
-so many events do move timing: at BIGALLOC_MIN=8 MiB on a MiniLM rank (ZeRO-0, fp32, micro 4 × 352) the first
-step read 861 MiB against 904 in two plain runs. Keep the threshold at the blocks you study.
+the same rank peaked at 4,073 MiB with it. Many logged events do move a rank: at BIGALLOC_MIN=8 MiB a MiniLM rank
+(ZeRO-0, fp32, micro 4 × 352) read 861 MiB at its first step, twice, against 904 in two plain runs (likely the
+page-heap lock each event's counters take; a free no longer scans the table unless its block is large, and that
+did not change it). Keep the threshold at the blocks you study.
 
     python benchmarks/heap_sampler/bigalloc.py build                 # gcc, once (writes bigalloc.so beside it)
     LD_PRELOAD="$PWD/benchmarks/heap_sampler/bigalloc.so /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4" \\
