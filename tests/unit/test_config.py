@@ -134,6 +134,14 @@ def test_a_key_of_another_group_is_named():
     assert "optimizer has: name, momentum" in hint and "did you mean" not in hint
 
 
+def test_a_suggestion_is_a_key_the_schema_has():
+    """run.dir is close to dry_run, but dry_run is a bool with no keys: no "did you mean dry_run.dir"."""
+    hint = str(unknown_override_keys(["run.dir=x"])[0])
+    assert "did you mean" not in hint and "the config has: model," in hint
+    assert "dry_run is a single value, not a group of keys" in str(unknown_override_keys(["dry_run.dir=x"])[0])
+    assert unknown_override_keys(["model.hf_config.rope_theta=1e6"]) == []  # a free-form dict takes any key
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("override, says", [
     ("data.seq_len=abc", "data.seq_len: Value 'abc' of type 'str' could not be converted to Integer. "

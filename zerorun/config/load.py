@@ -43,18 +43,21 @@ def schema_problem(key: str) -> Optional[str]:
     node: Any = RunConfig
     parts = key.split(".")
     for i, part in enumerate(parts):
+        if node is dict:
+            return None  # below a free-form dict (deepspeed.*, model.hf_config.*): DeepSpeed/transformers check it
         if node is None:
-            return None  # a free-form dict or a leaf: Hydra/OmegaConf check the rest
+            return f"{'.'.join(parts[:i])} is a single value, not a group of keys"
         fields = {f.name: f for f in dataclasses.fields(node)}
         if part not in fields:
             close = difflib.get_close_matches(part, fields, n=1)
             where = ".".join(parts[:i]) or "the config"
-            if close:
-                return f"did you mean {'.'.join(parts[:i] + [close[0]] + parts[i + 1:])}?"
+            respelled = ".".join(parts[:i] + close[:1] + parts[i + 1:])
+            if close and schema_problem(respelled) is None:  # run.dir is not dry_run.dir: a bool has no keys
+                return f"did you mean {respelled}?"
             # the right name in another group (optimizer.lr is trainer.lr)
             elsewhere = [k for k in schema_keys() if k.rsplit(".", 1)[-1] == parts[-1]] if i == len(parts) - 1 else []
             return f"did you mean {elsewhere[0]}?" if len(elsewhere) == 1 else f"{where} has: {', '.join(fields)}"
-        node = _field_type(fields[part])
+        node = _field_type(fields[part]) or (dict if fields[part].default_factory is dict else None)
     return None
 
 
