@@ -70,6 +70,7 @@ def test_rank_env_preloads_the_allocator_and_sets_glibc_knobs_only_for_glibc(mon
     monkeypatch.delenv("MALLOC_CONF", raising=False)
     tc = launcher.rank_env("cpu", 1, allocator="tcmalloc", allocator_library=LIBS[Allocator.tcmalloc])
     assert tc["LD_PRELOAD"] == LIBS[Allocator.tcmalloc] and not any(k.startswith("MALLOC_") for k in tc)
+    assert tc["TCMALLOC_RELEASE_RATE"] == "0"  # returned spans would not coalesce with free ones (§5.4)
     je = launcher.rank_env("cpu", 1, allocator="jemalloc", allocator_library=LIBS[Allocator.jemalloc])
     assert je["MALLOC_CONF"] == allocators.JEMALLOC_CONF
     gl = launcher.rank_env("cpu", 1, 1 << 20)
@@ -78,6 +79,19 @@ def test_rank_env_preloads_the_allocator_and_sets_glibc_knobs_only_for_glibc(mon
     assert "MALLOC_CONF" not in launcher.rank_env("cpu", 1, allocator="jemalloc", allocator_library="/x.so")
     monkeypatch.setenv("LD_PRELOAD", "/home/me/libtcmalloc.so")
     assert "LD_PRELOAD" not in launcher.rank_env("cpu", 1, allocator="tcmalloc", allocator_library="/x.so")
+    monkeypatch.setenv("TCMALLOC_RELEASE_RATE", "1")
+    assert "TCMALLOC_RELEASE_RATE" not in launcher.rank_env("cpu", 1, allocator="tcmalloc", allocator_library="/x.so")
+
+
+def test_the_memory_mode_key_follows_tcmallocs_release_rate(monkeypatch):
+    """Measurements at tcmalloc's default release rate (a more fragmented heap) are not reused at zerorun's 0."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(allocator="tcmalloc")
+    monkeypatch.delenv("TCMALLOC_RELEASE_RATE", raising=False)
+    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release0"
+    monkeypatch.setenv("TCMALLOC_RELEASE_RATE", "1")
+    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release1"
 
 
 def test_the_search_dirs_can_be_replaced(tmp_path, monkeypatch):
