@@ -257,7 +257,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
                                                     bd.largest_trainable, built_params)
-            placement = placement_bytes(cfg, plan, act, states.partition)
+            placement = placement_bytes(cfg, plan, act, phases, states.partition, bd.largest_trainable)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit

@@ -120,13 +120,18 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
-def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, partition: int) -> int:
-    """What the page heap may hold beyond ``page_heap_bytes`` for where blocks land (a width of the bound, not
-    of the point): one fp32 logits block at ZeRO-1/2, whose step blocks and lazily created states take the
-    loss's freed logits spans best fit, so that whether the next loss finds its spans again depends on where
-    other threads' blocks went. GPT-2 small, ZeRO-1, bf16, micro 14 × 240, one rank: one block above the term
-    in two runs (4,909 and 4,851 MiB), two with a sampling thread beside it (5,475 MiB, the bound 5,488)."""
-    return fp32_logits_block(act) if lazy_state_blocks(cfg, plan, partition) else 0
+def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
+                    partition: int, largest_trainable: int) -> int:
+    """What the page heap may hold beyond ``page_heap_bytes`` for where blocks land (a width of the bound, not of
+    the point): one more of a step's largest blocks (the step's flat block, ZeRO-0's all-reduce buffer, or the
+    largest block forward and backward free). At release rate 0 (allocators.TCMALLOC_ENV) free spans coalesce,
+    and what a rank holds beyond the term is a large block whose span smaller blocks cut first, in an order other
+    threads decide: MiniLM, ZeRO-3, CPU offload, bf16, micro 15 x 512 on 2 ranks held one 180 MiB score block
+    more on one rank than on the other (1,688 and 1,626 MiB; 1,782 in another run)."""
+    all_reduce = phases.get(ALL_REDUCE_BUFFER[0], {}).get(ALL_REDUCE_BUFFER[1], 0)
+    stepping = STEP_TRANSIENT[0] in phases
+    return max(step_block(cfg, plan, partition, largest_trainable) if stepping else 0, all_reduce,
+               largest_freed_block(cfg, plan, act, largest_trainable))
 
 
 def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int) -> int:
