@@ -39,10 +39,10 @@ live tensors depends on the order blocks are freed and reused. Measured on shape
 the bytes counted at the peak above the point estimate (GPT-2 small, ZeRO-3, fp32, checkpointing, mmap off:
 4,605 MiB against 2,692; 0.75 let that rank through, issue 33): the heap may hold a second copy of them."""
 HEAP_TCMALLOC = 0.05
-"""tcmalloc at release rate 0 (allocators.TCMALLOC_ENV), beside one misplaced large block (page_heap.placement_bytes):
+"""tcmalloc at release rate 0 (allocators.TCMALLOC_ENV), beside two misplaced large blocks (page_heap.placement_bytes):
 what its size classes and page heap keep of the smaller blocks beyond the point, per counted byte. On the 38
-tcmalloc ranks of dev set 1795866645 (the first at rate 0) the point's misses were at most one large block and
-this; at the default release rate, whose returned spans never coalesce with free ones, 0.33 of the counted
+tcmalloc ranks of dev sets 1795866645 and 1795869163 (the first at rate 0) the point's misses were within two large
+blocks and this; at the default release rate, whose returned spans never coalesce with free ones, 0.33 of the counted
 bytes was needed (docs/memory.md §5.4)."""
 PRIORS = {  # (relative width, where nothing measured the term)
     "CUDA context": 0.3,        # 1,723 MiB measured on an H100 (CUDA 13); 287-1,343 MB on older stacks (§5.2)
@@ -69,7 +69,7 @@ def term_widths(components: Mapping[str, int], *, accelerator: str, process_meas
     if accelerator == "cpu":
         widths.update(heap_width(Allocator(allocator), mmap_threshold, counted, components.get("heap retention", 0)))
         if placement and Allocator(allocator) == Allocator.tcmalloc:
-            widths["a misplaced large block (tcmalloc)"] = placement
+            widths["misplaced large blocks (tcmalloc)"] = placement
     if calibrated:  # the correction measured this config here: what is left is run-to-run spread
         widths = {"run to run (calibrated)": int(CORRECTION_SPREAD * sum(components.values()))}
     return {k: v for k, v in widths.items() if v > 0}

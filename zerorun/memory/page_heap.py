@@ -123,15 +123,17 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
 def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
                     partition: int, largest_trainable: int) -> int:
     """What the page heap may hold beyond ``page_heap_bytes`` for where blocks land (a width of the bound, not of
-    the point): one more of a step's largest blocks (the step's flat block, ZeRO-0's all-reduce buffer, or the
-    largest block forward and backward free). At release rate 0 (allocators.TCMALLOC_ENV) free spans coalesce,
-    and what a rank holds beyond the term is a large block whose span smaller blocks cut first, in an order other
-    threads decide: MiniLM, ZeRO-3, CPU offload, bf16, micro 15 x 512 on 2 ranks held one 180 MiB score block
-    more on one rank than on the other (1,688 and 1,626 MiB; 1,782 in another run)."""
+    the point): two of a step's largest blocks (the step's flat block, ZeRO-0's all-reduce buffer, or the largest
+    block forward and backward free). At release rate 0 (allocators.TCMALLOC_ENV) free spans coalesce, and what a
+    rank holds beyond the term is large blocks whose spans smaller blocks cut first, in an order other threads
+    decide: MiniLM, ZeRO-3, CPU offload, bf16, micro 15 x 512 on 2 ranks held one 180 MiB score block more on one
+    rank than on the other (1,688 and 1,626 MiB; 1,782 in another run); MiniLM, ZeRO-1, CPU offload, fp32, micro
+    3 x 240 on one rank grew by a 45 and an 89 MiB block at its second step (its flat partition is 87 MiB), and
+    GPT-2 small at ZeRO-2 by its flat gradient block and a step block (2 x 475 MiB)."""
     all_reduce = phases.get(ALL_REDUCE_BUFFER[0], {}).get(ALL_REDUCE_BUFFER[1], 0)
     stepping = STEP_TRANSIENT[0] in phases
-    return max(step_block(cfg, plan, partition, largest_trainable) if stepping else 0, all_reduce,
-               largest_freed_block(cfg, plan, act, largest_trainable))
+    return 2 * max(step_block(cfg, plan, partition, largest_trainable) if stepping else 0, all_reduce,
+                   largest_freed_block(cfg, plan, act, largest_trainable))
 
 
 def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int) -> int:
