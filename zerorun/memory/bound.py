@@ -40,10 +40,10 @@ the bytes counted at the peak above the point estimate (GPT-2 small, ZeRO-3, fp3
 4,605 MiB against 2,692; 0.75 let that rank through, issue 33): the heap may hold a second copy of them."""
 HEAP_TCMALLOC = 0.05
 """tcmalloc at release rate 0 (allocators.TCMALLOC_ENV), beside two misplaced large blocks (page_heap.placement_bytes):
-what its size classes and page heap keep of the smaller blocks beyond the point, per counted byte. On the 38
-tcmalloc ranks of dev sets 1795866645 and 1795869163 (the first at rate 0) the point's misses were within two large
-blocks and this; at the default release rate, whose returned spans never coalesce with free ones, 0.33 of the counted
-bytes was needed (docs/memory.md §5.4)."""
+what its size classes and page heap keep of the smaller blocks beyond the point, per counted byte. On the 81
+ranks of dev sets 1795866645 and 1795869163 (the first drawn at rate 0) the point's misses were within two large
+blocks and this; at the default release rate, whose returned spans never coalesce with free ones, 0.33 of the
+counted bytes was needed (docs/memory.md §5.4)."""
 PRIORS = {  # (relative width, where nothing measured the term)
     "CUDA context": 0.3,        # 1,723 MiB measured on an H100 (CUDA 13); 287-1,343 MB on older stacks (§5.2)
     "NCCL buffers": 1.0,        # 1 GiB prior; 0.2-2 GiB (§5.2)
