@@ -39,6 +39,11 @@ STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item)
 ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
 
 
+def phase_item(phases: Mapping[str, Mapping[str, int]], where) -> int:
+    """The bytes of one (phase, item) of the estimate's phases, 0 where the run has none."""
+    return phases.get(where[0], {}).get(where[1], 0)
+
+
 def fp32_logits_block(act: Activations) -> int:
     """One fp32 b·s·V block of the loss (LOSS_BYTES_PER_LOGIT counts three of them per logit); with the fused loss,
     its largest block (``Activations.loss_block``)."""
@@ -107,7 +112,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = largest_freed_block(cfg, plan, act, largest_trainable)
-    step, all_reduce = (phases.get(phase, {}).get(item, 0) for phase, item in (STEP_TRANSIENT, ALL_REDUCE_BUFFER))
+    step, all_reduce = phase_item(phases, STEP_TRANSIENT), phase_item(phases, ALL_REDUCE_BUFFER)
     flat = max(step if step_block(cfg, plan, partition, largest_trainable) > freed else 0,
                all_reduce if all_reduce > freed else 0)
     logits_block = fp32_logits_block(act)
@@ -130,10 +135,9 @@ def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     rank than on the other (1,688 and 1,626 MiB; 1,782 in another run); MiniLM, ZeRO-1, CPU offload, fp32, micro
     3 x 240 on one rank grew by a 45 and an 89 MiB block at its second step (its flat partition is 87 MiB), and
     GPT-2 small at ZeRO-2 by its flat gradient block and a step block (2 x 475 MiB)."""
-    all_reduce = phases.get(ALL_REDUCE_BUFFER[0], {}).get(ALL_REDUCE_BUFFER[1], 0)
     stepping = STEP_TRANSIENT[0] in phases
-    return 2 * max(step_block(cfg, plan, partition, largest_trainable) if stepping else 0, all_reduce,
-                   largest_freed_block(cfg, plan, act, largest_trainable))
+    return 2 * max(step_block(cfg, plan, partition, largest_trainable) if stepping else 0,
+                   phase_item(phases, ALL_REDUCE_BUFFER), largest_freed_block(cfg, plan, act, largest_trainable))
 
 
 def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int) -> int:
