@@ -62,8 +62,10 @@ def test_states_created_at_the_first_step_take_the_logits_spans_they_fit():
     assert round(block / MIB) == 350 and lazy_state_blocks(cfg, plan, part) == [4 * part] * 2
     alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
     assert e.components[PAGE_HEAP_TERM] == sum(e.phases["loss"].values()) + 2 * block - alloc_peak
-    # ZeRO-3 creates its states at start-up, before any loss; SGD's 237 MiB momentum does not fit a 184 MiB span
-    assert lazy_state_blocks(*_planned("+model=gpt2", "zero=stage3"), 10**8) == []
+    # ZeRO-3 creates them at the first step as well (stage3.py initialize_optimizer_states runs no step), except
+    # where it swaps them to NVMe; SGD's 237 MiB momentum does not fit a 184 MiB span
+    assert lazy_state_blocks(*_planned("+model=gpt2", "zero=stage3"), 10**8) == [4 * 10**8] * 2
+    assert lazy_state_blocks(*_planned("+model=gpt2", "zero=stage3", "offload=nvme"), 10**8) == []
     cfg, plan, e = term("+model=gpt2", "zero=stage2", "offload=cpu", "precision=bf16", "data.seq_len=192",
                         "trainer.micro_batch_size=5", "optimizer=sgd", "launcher.nproc_per_node=2", world=world)
     assert logits_spans_taken(e.phases["loss"]["logits + loss"] // 3, lazy_state_blocks(cfg, plan, e.params // 2)) == 0
@@ -76,16 +78,34 @@ def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     # the heap reached 2,195 MiB; the first step's three 475 MiB blocks came on top of it (3,619 MiB).
     cfg, plan, e = term("+model=gpt2", "zero=stage1", "precision=bf16", "optimizer=sgd", "data.seq_len=176",
                         "trainer.micro_batch_size=5", "trainer.activation_checkpointing=true")
-    assert round(startup_heap(cfg, plan, e.params, e.params) / MIB) == 1899
+    assert round(startup_heap(cfg, plan, e.params, e.params, _largest(cfg, plan)) / MIB) == 1899
     alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
     heap = alloc_peak + e.components[PAGE_HEAP_TERM]
     # measured 3,619 MiB of heap (tcmalloc's generic.heap_size, ~120 of it before the model: the process baseline);
     # the step-on-activations rule said 2,562 (the rank read -19.0%), this one 3,086 (-4.7%)
     assert 3_000 * MIB < heap < 3_500 * MIB
-    # ZeRO-3 (states at start-up, its own partitioning) is not this branch
-    cfg, plan, e3 = term("+model=gpt2", "zero=stage3", "precision=bf16", "optimizer=sgd", "data.seq_len=176",
-                         "trainer.micro_batch_size=5", "trainer.activation_checkpointing=true")
-    assert e3.components[PAGE_HEAP_TERM] < 1_500 * MIB
+
+
+@pytest.mark.heavy
+def test_zero3_step_blocks_grow_the_heap_on_top_of_its_startup_copies():
+    # Held-out set 1795870857's worst under-estimate (-16.6%, twice): GPT-2 small, ZeRO-3, bf16, SGD, checkpointing,
+    # micro 1 x 128, one rank. Logged (bigalloc): start-up grew the heap by 1,822 MiB (the fp32 model and its cast,
+    # the flat bf16 partition, the fp32 partition and initialize_optimizer_states' gradient buffer), then the
+    # first step by a 295 MiB fp64 norm and three 475 MiB blocks (the fp32 gradient, the step's transient and
+    # SGD's momentum, created there): 3,677 MiB of heap, ~137 of it before the model.
+    cfg, plan, e = term("+model=gpt2", "zero=stage3", "precision=bf16", "optimizer=sgd", "data.seq_len=128",
+                        "trainer.micro_batch_size=1", "trainer.activation_checkpointing=true")
+    assert round(startup_heap(cfg, plan, e.params, e.params, _largest(cfg, plan)) / MIB) == 1899
+    alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
+    assert 3_200 * MIB < alloc_peak + e.components[PAGE_HEAP_TERM] < 3_600 * MIB  # was 2,559: -16.6%
+    # On two ranks (adamw8bit, micro 1 x 112) each rank's heap grew by 1,110 MiB at start-up: its 119 MiB flat bf16
+    # partition took the span the cast freed of the 147 MiB fp32 word embedding; 2,671 MiB of heap in all.
+    cfg, plan, e = term("+model=gpt2", "zero=stage3", "precision=bf16", "optimizer=adamw8bit", "data.seq_len=112",
+                        "trainer.micro_batch_size=1", "launcher.nproc_per_node=2", world=CPU2)
+    part = -(-e.params // 2)
+    assert round(startup_heap(cfg, plan, e.params, part, _largest(cfg, plan)) / MIB) == 1187  # 1,305 with the copy
+    alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
+    assert 2_400 * MIB < alloc_peak + e.components[PAGE_HEAP_TERM] < 2_700 * MIB
 
 
 @pytest.mark.heavy
@@ -146,9 +166,9 @@ def test_the_term_is_bounded_by_the_blocks_it_names(model, stage, dtype, micro, 
     logits_block = ph.get("loss", {}).get("logits + loss", 0) // 3
     lazy = lazy_state_blocks(cfg, plan, e.params)
     taken = logits_spans_taken(logits_block, lazy)
-    assert taken <= 2 and (taken == 0 or stage in (1, 2))
+    assert taken <= 2 and (taken == 0 or stage >= 1)
     alloc_peak = max(sum(v.values()) for k, v in ph.items() if k != "export")
-    after_startup = startup_heap(cfg, plan, e.params, e.params) + step + sum(lazy) - alloc_peak if lazy else 0
+    after_startup = startup_heap(cfg, plan, e.params, e.params, 0) + step + sum(lazy) - alloc_peak if lazy else 0
     assert 0 <= e.components[PAGE_HEAP_TERM] <= max(step, max(1, taken) * logits_block, after_startup)
 
 

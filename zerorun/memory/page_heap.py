@@ -11,12 +11,12 @@ moments that happens in a steady training step:
   activation phases' peak and the step's flat blocks at once, unless a freed activation block can hold one
   (MiniLM's attention scores hold its 45 MiB partition);
 - at the loss, the fp32 logits blocks (three of b·s·V) outgrow what the 16-bit logits freed: one more of them;
-  and more where the optimizer took their spans: ZeRO-1/2 create the optimizer's states of the flat partition at
+  and more where the optimizer took their spans: ZeRO-1/2/3 create the optimizer's states of the flat partition at
   the first step, after the first loss freed its logits blocks, and a state block no larger than one of them is
   placed in its span (best fit). The next loss finds that many fewer and grows the heap by one block for each
   (GPT-2 small, ZeRO-1 with offload, bf16, micro 6 × seq 304 on 2 ranks: Adam's two 237 MiB states took two of
   the 350 MiB spans, and the heap grew by 2 × 350 MiB at step 2: the rank read 10% over the one-block rule);
-- at ZeRO-1/2 the start-up's copies (the fp32 model as built, its 16-bit cast, DeepSpeed's flat 16-bit copy of
+- under ZeRO the start-up's copies (the fp32 model as built, its 16-bit cast, DeepSpeed's flat 16-bit copy of
   what trains, the fp32 master and a transient of its size) take the heap higher than training's live bytes, and
   the forward splits their freed spans into activation-sized pieces: the first step's blocks larger than any freed
   block (the flat transient, the lazily created states) grow the heap on top of it (GPT-2 small ZeRO-1 bf16 SGD,
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import List, Mapping
 
-from ..config import Dtype, OptimizerImpl, Plan, RunConfig
+from ..config import Dtype, OffloadDevice, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
 from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes
 
@@ -77,11 +77,12 @@ def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: in
 
 
 def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
-    """The flat blocks ZeRO-1/2's optimizer creates at its first step: its states of this rank's partition
-    (stage_1_and_2.py ``initialize_optimizer_states`` runs no step in DeepSpeed 0.19, and Adam, SGD and
-    AdamW8bit create their states lazily), in a pipeline too, as does the BF16_Optimizer of a bf16 pipeline at
-    ZeRO-0 (bf16_optimizer.py). ZeRO-3 creates them at start-up (stage3.py), before any loss."""
-    if cfg.zero.stage not in (1, 2) and not bf16_optimizer_pipeline(cfg, plan):
+    """The flat blocks ZeRO's optimizer creates at its first step: its states of this rank's partition (neither
+    stage_1_and_2.py's nor stage3.py's ``initialize_optimizer_states`` runs a step in DeepSpeed 0.19, and Adam, SGD
+    and AdamW8bit create their states lazily), in a pipeline too, as does the BF16_Optimizer of a bf16 pipeline at
+    ZeRO-0 (bf16_optimizer.py). Not where ZeRO-3 swaps them to NVMe: they pass through the swapper's buffers."""
+    swapped = cfg.zero.stage == 3 and plan.offload_optimizer and OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
+    if (cfg.zero.stage == 0 and not bf16_optimizer_pipeline(cfg, plan)) or swapped:
         return []
     total = optimizer_state_bytes(cfg, plan, partition)  # SGD: one momentum buffer (or none); the others: two
     n = 1 if plan.optimizer == OptimizerImpl.torch_sgd else 2
@@ -108,7 +109,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
     phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss
     phase and one more fp32 logits block for each span the optimizer's states took (at least one); or, at
-    ZeRO-1/2, the start-up's heap (``built_params``: the model build_model() makes first) under the step's."""
+    ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first) under the step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = largest_freed_block(cfg, plan, act, largest_trainable)
@@ -120,8 +121,8 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     grown = max(1, logits_spans_taken(logits_block, lazy, act.loss_spans))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
     after_startup = 0
-    if lazy:  # ZeRO-1/2: the step's blocks larger than any freed one on top of the start-up's heap
-        after_startup = startup_heap(cfg, plan, built_params, partition) + flat + sum(b for b in lazy if b > freed)
+    if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
+        after_startup = startup_heap(cfg, plan, built_params, partition, largest_trainable) + flat + sum(b for b in lazy if b > freed)
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
@@ -140,12 +141,17 @@ def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
                    phase_item(phases, ALL_REDUCE_BUFFER), largest_freed_block(cfg, plan, act, largest_trainable))
 
 
-def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int) -> int:
-    """The heap ZeRO-1/2's start-up leaves: the fp32 model as built, its 16-bit cast (engine.py), the flat copy of
+def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int, largest_trainable: int) -> int:
+    """The heap ZeRO's start-up leaves: the fp32 model as built, its 16-bit cast (engine.py), the flat copy of
     the 16-bit parameters that train and this rank's fp32 master with a transient of its size (stage_1_and_2.py
-    ``flatten``, ``clone().to(fp32)``), all alive or freed into spans the forward splits."""
+    ``flatten``, ``clone().to(fp32)``; stage3.py's flat 16-bit partition, fp32 partition and the gradient buffer
+    of ``initialize_optimizer_states``), all alive or freed into spans the forward splits. Logged (bigalloc), GPT-2
+    small, ZeRO-3, bf16: the heap grew by 1,822 MiB at start-up on one rank (this says 1,899) and by 1,110 on each
+    of two, whose 119 MiB flat partition took the span the cast freed of the 147 MiB fp32 word embedding (1,187)."""
     built = 4 * built_params
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     cast = built * e // 4 if e < 4 else 0
-    trainable = partition * max(1, plan.data_parallel_size)
-    return built + cast + trainable * e + 2 * 4 * partition
+    # ZeRO-1/2 flatten every 16-bit parameter that trains before partitioning; ZeRO-3 only its own partition
+    flat16 = partition * (1 if cfg.zero.stage == 3 else max(1, plan.data_parallel_size)) * e
+    fits = cast and flat16 <= 4 * largest_trainable  # in the span of the largest fp32 parameter the cast freed
+    return built + cast + (0 if fits else flat16) + 2 * 4 * partition
