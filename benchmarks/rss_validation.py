@@ -259,6 +259,7 @@ def rescore(rows: List[Dict]) -> List[Dict]:
     from zerorun.config import compose, make_plan, plan_world
     from zerorun.hardware import detect
     from zerorun.memory import estimate
+    from zerorun.memory.priors import runtime_overhead_key
 
     hw, out = detect(), []
     for r in rows:
@@ -268,11 +269,16 @@ def rescore(rows: List[Dict]) -> List[Dict]:
         if not any(o.startswith("launcher.nproc_per_node") for o in ovs):
             ovs.append("launcher.nproc_per_node=2")
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
-        ensure_baseline(cfg, hw)  # as a launch on this machine would: the measured process baseline, no correction
+        world = plan_world(cfg, hw)
+        if not r.get("runtime_overhead"):  # rows from before the micro probe: measure as a launch here would
+            ensure_baseline(cfg, hw)
         cal = dataclasses.replace(calibration_for(cfg, hw), corrections=())
         if r.get("by_point", {}).get("ready"):  # the run's own "ready" point: the baseline moves with the page cache
             cal = dataclasses.replace(cal, cpu_process_bytes=r["by_point"]["ready"], process_measured=True)
-        est = estimate(cfg, make_plan(cfg, plan_world(cfg, hw)), hw, cal=cal)
+        if r.get("runtime_overhead"):  # what the run's own gate measured (it moves between boots: 59-74 MiB, one kind)
+            key = runtime_overhead_key(cfg, hw, world.nproc_per_node)
+            cal = dataclasses.replace(cal, runtime_overheads=((key, r["runtime_overhead"]),))
+        est = estimate(cfg, make_plan(cfg, world), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()
         point, bound = rank_figures(e, r["rank"])
