@@ -65,11 +65,11 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
 
 
 def layer_span(act: Activations) -> int:
-    """The free span one layer's backward leaves: the tensors its forward (or its recomputation under
-    checkpointing) saved were allocated one after another and are freed together, and at release rate 0 tcmalloc
-    coalesces neighbouring free spans (allocators.TCMALLOC_ENV); the gradients the backward allocates meanwhile
-    keep one layer's span from the next one's. Not under checkpointing: there each layer's recomputation allocates
-    its tensors during the backward, among the gradients, and the next layer's takes them again."""
+    """The free span one layer's backward leaves: the tensors its forward saved were allocated one after another
+    and are freed together, and at release rate 0 tcmalloc coalesces neighbouring free spans
+    (allocators.TCMALLOC_ENV); the gradients the backward allocates meanwhile keep one layer's span from the next
+    one's. None under checkpointing: each layer's recomputation allocates its tensors during the backward, among
+    the gradients, and the next layer's recomputation takes them again (counting it let GPT-2 ranks to -18%)."""
     return act.per_layer if act.num_layers > 0 and not act.checkpointing else 0
 
 
@@ -132,7 +132,8 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
     after_startup = 0
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
-        after_startup = startup_heap(cfg, plan, built_params, partition, largest_trainable) + flat + sum(b for b in lazy if b > freed)
+        startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)
+        after_startup = startup + flat + sum(b for b in lazy if b > freed)
     return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
 
 
