@@ -32,7 +32,7 @@ def test_gpt2s_flat_fp32_partition_needs_heap_of_its_own():
     assert round(block / MIB) == 475 and largest_freed_block(cfg, plan, _act(cfg, plan), _largest(cfg, plan)) < block
     step = act["optimizer step"]["optimizer-step transient"]
     activation_peak = max(sum(act[p].values()) for p in ("loss", "backward", "embedding grad"))
-    alloc_peak = max(sum(v.values()) for k, v in act.items() if k != "export")
+    alloc_peak = _alloc_peak(act)
     assert e.components[PAGE_HEAP_TERM] >= activation_peak + step - alloc_peak > 600 * MIB
 
 
@@ -75,7 +75,7 @@ def test_states_created_at_the_first_step_take_the_logits_spans_they_fit():
     block = e.phases["loss"]["logits + loss"] // 3
     part = -(-e.params // 2)
     assert round(block / MIB) == 350 and lazy_state_blocks(cfg, plan, part) == [4 * part] * 2
-    alloc_peak = max(sum(v.values()) for k, v in e.phases.items() if k != "export")
+    alloc_peak = _alloc_peak(e.phases)
     assert e.components[PAGE_HEAP_TERM] == sum(e.phases["loss"].values()) + 2 * block - alloc_peak
     # ZeRO-3 creates them at the first step as well (stage3.py initialize_optimizer_states runs no step), except
     # where it swaps them to NVMe; SGD's 237 MiB momentum does not fit a 184 MiB span
@@ -179,14 +179,19 @@ def test_the_term_is_bounded_by_the_blocks_it_names(model, stage, dtype, micro, 
     lazy = lazy_state_blocks(cfg, plan, e.params)
     taken = logits_spans_taken(logits_block, lazy)
     assert taken <= 2 and (taken == 0 or stage >= 1)
-    alloc_peak = max(sum(v.values()) for k, v in ph.items() if k != "export")
+    alloc_peak = _alloc_peak(ph)
     after_startup = startup_heap(cfg, plan, e.params, e.params, 0) + step + sum(lazy) - alloc_peak if lazy else 0
     assert 0 <= e.components[PAGE_HEAP_TERM] <= max(step, max(1, taken) * logits_block, after_startup)
 
 
+def _alloc_peak(phases):
+    """The largest phase's live bytes (the export's gather is not training's)."""
+    return max(sum(v.values()) for k, v in phases.items() if k != "export")
+
+
 def _heap(e):
     """The heap the estimate says a rank holds: its largest phase's live bytes and the page-heap term."""
-    return max(sum(v.values()) for k, v in e.phases.items() if k != "export") + e.components[PAGE_HEAP_TERM]
+    return _alloc_peak(e.phases) + e.components[PAGE_HEAP_TERM]
 
 
 def _planned(*overrides):

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import List, Mapping
 
-from ..config import Dtype, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
-from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes
+from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_swapped
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): phases.py's step_phases names
@@ -91,8 +91,7 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     stage_1_and_2.py's nor stage3.py's ``initialize_optimizer_states`` runs a step in DeepSpeed 0.19, and Adam, SGD
     and AdamW8bit create their states lazily), in a pipeline too, as does the BF16_Optimizer of a bf16 pipeline at
     ZeRO-0 (bf16_optimizer.py). Not where ZeRO-3 swaps them to NVMe: they pass through the swapper's buffers."""
-    swapped = cfg.zero.stage == 3 and plan.offload_optimizer and OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
-    if (cfg.zero.stage == 0 and not bf16_optimizer_pipeline(cfg, plan)) or swapped:
+    if (cfg.zero.stage == 0 and not bf16_optimizer_pipeline(cfg, plan)) or optimizer_swapped(cfg, plan):
         return []
     total = optimizer_state_bytes(cfg, plan, partition)  # SGD: one momentum buffer (or none); the others: two
     n = 1 if plan.optimizer == OptimizerImpl.torch_sgd else 2
@@ -164,5 +163,5 @@ def startup_heap(cfg: RunConfig, plan: Plan, built_params: int, partition: int, 
     cast = built * e // 4 if e < 4 else 0
     # ZeRO-1/2 flatten every 16-bit parameter that trains before partitioning; ZeRO-3 only its own partition
     flat16 = partition * (1 if cfg.zero.stage == 3 else max(1, plan.data_parallel_size)) * e
-    fits = cast and flat16 <= 4 * largest_trainable  # in the span of the largest fp32 parameter the cast freed
+    fits = cast > 0 and flat16 <= 4 * largest_trainable  # in the span of the largest fp32 parameter the cast freed
     return built + cast + (0 if fits else flat16) + 2 * 4 * partition

@@ -131,14 +131,18 @@ def optimizer_step_bytes(plan: Plan, tensor: int) -> int:
     return 0
 
 
+def optimizer_swapped(cfg: RunConfig, plan: Plan) -> bool:
+    """ZeRO-Infinity: ZeRO-3 keeps the optimizer's states on NVMe and swaps them through pinned host buffers."""
+    return plan.offload_optimizer and cfg.zero.stage == 3 and OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
+
+
 def host_step_bytes(cfg: RunConfig, plan: Plan, tensor: int) -> int:
     """With optimizer offload, a client optimizer steps on the host's fp32 partition (DeepSpeedCPUAdam:
     in place). Swapped to NVMe (ZeRO-Infinity) the optimizer builds its states lazily on the first step, in
     ordinary host memory (cpu_adam.py ``torch.zeros_like``), before the swapper writes them out: the states of one
     sub-group on top of the pinned swap buffers, once (measured: GPT-2 small fp32 on one rank, 950 MiB above the
     step's steady state inside ``cpu_adam.step``, = Adam's two fp32 states of its 124M-element partition)."""
-    nvme = plan.offload_optimizer and cfg.zero.stage == 3 and OffloadDevice(cfg.offload.device) == OffloadDevice.nvme
-    first_states = optimizer_state_bytes(cfg, plan, tensor) if nvme else 0
+    first_states = optimizer_state_bytes(cfg, plan, tensor) if optimizer_swapped(cfg, plan) else 0
     # ZeRO-3 on a GPU writes the stepped fp32 sub-group into the device's 16-bit partition with one ``copy_``
     # (stage3.py ``_reassign_or_swap_out_partitioned_parameters``); a host-to-device copy that changes dtype
     # converts on the host first (ATen/native/cuda/Copy.cu ``copy_kernel_cuda``: ``src.to(dst.dtype)``).
