@@ -159,15 +159,25 @@ def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> 
         # ZeRO-1 untied: the grad is in "gradients"; ZeRO-1/2: a gradient that fits is copied into the bucket
         cloned = stage == 3 or word > plan.buckets.reduce_bucket_size
         own = 0 if (stage == 1 and not bd.tied_embedding) or not cloned else word * g
-        # ZeRO-3 takes the norm of this rank's partition of the gradient (GPT-2 small fp32 + CPU offload on 2
-        # ranks: the rank that does not export peaked 170 MiB below a whole-gradient fp64 norm)
-        normed = -(-word // max(1, plan.data_parallel_size)) if stage == 3 else word
-        # ... and that partition is a view into reduce_scatter_coalesced's flat output (coalesced_collectives.py:
+        norm = embedding_norm_block(cfg, plan, bd)
+        # ... and ZeRO-3's partition is a view into reduce_scatter_coalesced's flat output (coalesced_collectives.py:
         # ``torch.cat`` of the padded partitions, on one rank too), alive beside param.grad while the norm is taken
         # (stage3.py partition_grads; tiny BERT fp32 ZeRO-3 + CPU offload on one rank read -4.2% without it)
-        partition = normed * g if stage == 3 else 0
-        transient = max(transient, own + partition + normed * FP64_NORM_BYTES)
+        partition = norm // FP64_NORM_BYTES * g if stage == 3 else 0
+        transient = max(transient, own + partition + norm)
     return transient
+
+
+def embedding_norm_block(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
+    """With optimizer offload, the fp64 copy of the word embedding's gradient DeepSpeed takes its norm of (at the
+    end of backward, on the rank whose partition holds it); 0 without offload. ZeRO-3 takes the norm of this rank's
+    partition of the gradient (GPT-2 small fp32 + CPU offload on 2 ranks: the rank that does not export peaked
+    170 MiB below a whole-gradient fp64 norm)."""
+    if not plan.offload_optimizer:
+        return 0
+    word = bd.word_embedding
+    normed = -(-word // max(1, plan.data_parallel_size)) if cfg.zero.stage == 3 else word
+    return normed * FP64_NORM_BYTES
 
 
 def zero0_flatten_bytes(cfg: RunConfig, bd: ParamBreakdown) -> int:

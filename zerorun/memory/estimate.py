@@ -23,7 +23,7 @@ from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations, with_fused_loss
-from .buffers import backward_buffers
+from .buffers import backward_buffers, embedding_norm_block
 from .params import ParamBreakdown, model_key, param_breakdown
 from .phases import Phase, step_phases
 from .page_heap import page_heap_bytes, placement_bytes
@@ -256,7 +256,8 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             # Freed spans stay in the allocator's page heap for reuse (what makes it fast); the blocks that find
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
-                                                    bd.largest_trainable, built_params)
+                                                    bd.largest_trainable, built_params,
+                                                    embedding_norm_block(cfg, plan, bd))
             placement = placement_bytes(cfg, plan, act, phases, states.partition, bd.largest_trainable)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.

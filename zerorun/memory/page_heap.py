@@ -98,27 +98,35 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     return [total // n] * n if total else []
 
 
-def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> int:
-    """How many of the loss's ``count`` freed fp32 logits spans of ``block`` bytes the state blocks take, each
-    placed best fit as it is created (what is left of a span stays free for the next)."""
-    spans, taken = [block] * count, 0
+def spans_taken(spans: List[int], state_blocks: List[int]) -> List[int]:
+    """Which freed spans (their indices in ``spans``) the state blocks take, each block placed best fit as it is
+    created (what is left of a span stays free for the next)."""
+    left, taken = list(spans), []
     for b in state_blocks:
-        fits = [s for s in spans if s >= b]
+        fits = [i for i, s in enumerate(left) if s >= b]
         if b <= 0 or not fits:
             continue
-        best = min(fits)
-        spans.remove(best)
-        spans.append(best - b)
-        taken += best == block
+        best = min(fits, key=lambda i: left[i])
+        if left[best] == spans[best]:
+            taken.append(best)
+        left[best] -= b
     return taken
 
 
+def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> int:
+    """How many of the loss's ``count`` freed fp32 logits spans of ``block`` bytes the state blocks take."""
+    return len(spans_taken([block] * count, state_blocks))
+
+
 def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
-                    alloc_peak: int, partition: int, largest_trainable: int, built_params: int) -> int:
+                    alloc_peak: int, partition: int, largest_trainable: int, built_params: int,
+                    norm_block: int = 0) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
-    phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss
-    phase and one more fp32 logits block for each span the optimizer's states took (at least one); or, at
-    ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first) under the step's."""
+    phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss (the embedding
+    gradient's) phase and one more fp32 logits block (``norm_block``: the fp64 copy the norm of the embedding's
+    gradient is taken of, buffers.embedding_norm_block) for each span the optimizer's states took (at least one
+    logits block); or, at ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first)
+    under the step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = max(largest_freed_block(cfg, plan, act, largest_trainable), layer_span(act))
@@ -127,13 +135,23 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
                all_reduce if all_reduce > freed else 0)
     logits_block = fp32_logits_block(act)
     lazy = lazy_state_blocks(cfg, plan, partition)
-    grown = max(1, logits_spans_taken(logits_block, lazy, act.loss_spans))
+    # The states are created at the first step, after the loss and the embedding's norm freed their blocks; the
+    # next step finds those spans taken and grows the heap by each block again (GPT-2 small, ZeRO-2, CPU offload,
+    # bf16, 2 ranks, logged: one 237 MiB Adam state took the 295 MiB fp64 norm span on the rank that holds the
+    # word embedding, and its heap grew by 295 MiB at step 2; the other rank takes no norm and grew by nothing).
+    # The norm has a span of its own only where no block freed before it could hold it (a logits span can).
+    norm_block = norm_block if norm_block > freed else 0
+    spans = [logits_block] * act.loss_spans + [norm_block]
+    taken = spans_taken(spans, lazy)
+    grown = max(1, sum(i < act.loss_spans for i in taken))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
+    at_norm = live.get("embedding grad", 0) + norm_block if len(spans) - 1 in taken else 0
     after_startup = 0
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
         startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)
         after_startup = startup + flat + sum(b for b in lazy if b > freed)
-    return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, after_startup - alloc_peak)
+    return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, at_norm - alloc_peak,
+               after_startup - alloc_peak)
 
 
 def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
