@@ -136,16 +136,17 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     logits_block = fp32_logits_block(act)
     lazy = lazy_state_blocks(cfg, plan, partition)
     # The states are created at the first step, after the loss and the embedding's norm freed their blocks; the
-    # next step finds those spans taken and grows the heap by each block again (GPT-2 small, ZeRO-2, CPU offload,
-    # bf16, 2 ranks, logged: one 237 MiB Adam state took the 295 MiB fp64 norm span on the rank that holds the
-    # word embedding, and its heap grew by 295 MiB at step 2; the other rank takes no norm and grew by nothing).
-    # The norm has a span of its own only where no block freed before it could hold it (a logits span can).
+    # next step finds those spans taken and grows the heap by each block again. The norm has a span of its own only
+    # where no block freed before it could hold it (a logits span can), and that span does not outlive the first
+    # step: GPT-2 small, ZeRO-2, CPU offload, bf16, 2 ranks, logged: one 237 MiB Adam state took the 295 MiB fp64
+    # norm's span on the rank that holds the word embedding, whose heap grew by 295 MiB at step 2 (its twin takes
+    # no norm and grew by nothing); on one rank, where the 475 MiB states cannot take it, GPT-2 ZeRO-1/2 offload
+    # bf16 ranks grew by 295-368 MiB after their first step and a MiniLM fp32 one by 153 (its norm: 89 MiB).
     norm_block = norm_block if norm_block > freed else 0
     spans = [logits_block] * act.loss_spans + [norm_block]
-    taken = spans_taken(spans, lazy)
-    grown = max(1, sum(i < act.loss_spans for i in taken))
+    grown = max(1, sum(i < act.loss_spans for i in spans_taken(spans, lazy)))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
-    at_norm = live.get("embedding grad", 0) + norm_block if len(spans) - 1 in taken else 0
+    at_norm = live.get("embedding grad", 0) + norm_block
     after_startup = 0
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
         startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)
