@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 from ..allocators import PRELOADED, small_block_threshold
 from ..allocators import concrete as allocator_of
-from ..config import Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
+from ..config import Allocator, Dtype, Family, OffloadDevice, OptimizerImpl, Plan, RunConfig
 from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import layer_linears, lora_targets
@@ -251,7 +251,10 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
-        comps["heap retention"] = int(cal.heap_retention * act.heap_churn) + _zero3_regather_heap(cfg, plan, bd)
+        retained = int(cal.heap_retention * act.heap_churn)
+        if allocator_of(cfg.launcher, world.accelerator) == Allocator.tcmalloc:
+            retained = min(retained, cal.tcmalloc_thread_caches)  # its size classes keep no more
+        comps["heap retention"] = retained + _zero3_regather_heap(cfg, plan, bd)
         if allocator_of(cfg.launcher, world.accelerator) in PRELOADED:
             # Freed spans stay in the allocator's page heap for reuse (what makes it fast); the blocks that find
             # none large enough grow it (page_heap.py, §5.4).

@@ -56,6 +56,12 @@ class Calibration:
     heap_retention: float = 2.0
     """CPU ranks: resident bytes per byte of saved activations smaller than the mmap threshold, which live on
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
+    tcmalloc_thread_caches: int = 32 * 2**20
+    """CPU ranks on tcmalloc: the most its thread caches hold of freed small blocks (gperftools'
+    ``tcmalloc.max_total_thread_cache_bytes``, 32 MiB in 2.10, read at run time). Beyond it freed objects go back to
+    the central lists and their spans to the page heap, so the heap-retention term stops there: glibc's arena
+    keeps ``heap_retention`` × the churn, tcmalloc at most this. On the 21 rate-0 ranks whose 2 × churn was above 5%
+    of the figure every one read over (+2.4..+25.6%; a Qwen3-MoE ZeRO-1 pair +25% on 198 MiB of the term), §5.4."""
     runtime_overheads: Tuple[Tuple[str, int], ...] = ()
     """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of each kind of
     run (zerorun/process_probe.py), by runtime_overhead_key; replaces both priors for that kind. It moved by
