@@ -113,7 +113,8 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
     if measured_this_boot(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
     overheads = tuple((k, int(r["overhead_bytes"])) for k, r in sorted(records.items())
-                      if k.startswith(RUNTIME_OVERHEAD) and measured_this_boot(r, env))
+                      if k.startswith(RUNTIME_OVERHEAD) and measured_this_boot(r, env)
+                      and r.get("overhead_bytes") is not None)
     return dataclasses.replace(cal, runtime_overheads=overheads)
 
 
@@ -166,7 +167,9 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     overhead = new.get(okey, {}).get("overhead_bytes")
     log(f"process baseline {measured / 2**20:.0f} MiB per CPU rank (prior "
         f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB)"
-        + (f", runtime overhead {overhead / 2**20:.0f} MiB" if overhead is not None else "")
+        + (f", runtime overhead {overhead / 2**20:.0f} MiB" if overhead is not None else
+           ", runtime overhead not measurable for this kind (the estimator counts more than the micro rank held): "
+           "the prior" if okey in new else "")
         + f", in {time.perf_counter() - t0:.0f} s; stored in {path}.")
 
 

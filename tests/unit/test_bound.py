@@ -121,6 +121,10 @@ def test_a_measured_runtime_overhead_replaces_both_priors_for_its_kind_of_run_on
                                                                              **stamp, "boot": "an earlier boot"}}))
     cal = C.calibration_for(z2, hw)
     assert overhead(z2) == 2 * M.DEFAULT_CALIBRATION.cpu_zero_overhead_bytes  # measured in another boot: the prior
+    # the estimator counted more than the micro rank held (process_probe.measure): nothing measured, the prior
+    (tmp_path / C.CACHE_NAME).write_text(json.dumps({P.overhead_key(z2, hw): {"overhead_bytes": None, **stamp}}))
+    cal = C.calibration_for(z2, hw)
+    assert overhead(z2) == 2 * M.DEFAULT_CALIBRATION.cpu_zero_overhead_bytes
 
 
 @settings(max_examples=25, deadline=None)
