@@ -58,7 +58,8 @@ class Calibration:
     the heap and leave it fragmented when freed (measured 1.4-2.5 on GPT-2 small; §5.4)."""
     tcmalloc_thread_caches: int = 32 * 2**20
     """CPU ranks on tcmalloc: the most its thread caches hold of freed small blocks (gperftools'
-    ``tcmalloc.max_total_thread_cache_bytes``, 32 MiB in 2.10, read at run time). Beyond it freed objects go back to
+    ``tcmalloc.max_total_thread_cache_bytes``: 32 MiB in Debian's 2.10 as MallocExtension reports it; a
+    ``TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES`` you set is not followed here). Beyond it freed objects go back to
     the central lists and their spans to the page heap, so the heap-retention term stops there: glibc's arena
     keeps ``heap_retention`` × the churn, tcmalloc at most this. On the 21 rate-0 ranks whose 2 × churn was above 5%
     of the figure every one read over (+2.4..+25.6%; a Qwen3-MoE ZeRO-1 pair +25% on 198 MiB of the term), §5.4."""
