@@ -164,13 +164,15 @@ def ensure_baseline(cfg: RunConfig, hw: Hardware, log=print) -> None:
     records = load(path)
     records.update(new)
     write_atomic(path, json.dumps(records, indent=2) + "\n")
-    overhead = new.get(okey, {}).get("overhead_bytes")
+    overhead, said = new.get(okey, {}).get("overhead_bytes"), ""
+    if overhead is not None:
+        said = f", runtime overhead {overhead / 2**20:.0f} MiB"
+    elif okey in new:  # the micro rank ran but held less than the estimator counts for it
+        said = (", runtime overhead not measurable for this kind (the estimator counts more than the micro rank "
+                "held): the prior")
     log(f"process baseline {measured / 2**20:.0f} MiB per CPU rank (prior "
-        f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB)"
-        + (f", runtime overhead {overhead / 2**20:.0f} MiB" if overhead is not None else
-           ", runtime overhead not measurable for this kind (the estimator counts more than the micro rank held): "
-           "the prior" if okey in new else "")
-        + f", in {time.perf_counter() - t0:.0f} s; stored in {path}.")
+        f"{DEFAULT_CALIBRATION.cpu_process_bytes / 2**20:.0f} MiB){said}"
+        f", in {time.perf_counter() - t0:.0f} s; stored in {path}.")
 
 
 def _baseline_alone(cfg: RunConfig, log) -> Optional[int]:

@@ -160,8 +160,9 @@ def embedding_grad_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> 
         cloned = stage == 3 or word > plan.buckets.reduce_bucket_size
         own = 0 if (stage == 1 and not bd.tied_embedding) or not cloned else word * g
         norm = embedding_norm_block(cfg, plan, bd)
-        # ZeRO-3's partition of the gradient is a view into reduce_scatter_coalesced's flat output (coalesced_collectives.py:
-        # ``torch.cat`` of the padded partitions, on one rank too), alive beside param.grad while the norm is taken
+        # ZeRO-3's partition of the gradient is a view into reduce_scatter_coalesced's flat output
+        # (coalesced_collectives.py: ``torch.cat`` of the padded partitions, on one rank too), alive beside param.grad
+        # while the norm is taken
         # (stage3.py partition_grads; tiny BERT fp32 ZeRO-3 + CPU offload on one rank read -4.2% without it)
         partition = norm // FP64_NORM_BYTES * g if stage == 3 else 0
         transient = max(transient, own + partition + norm)

@@ -237,6 +237,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                      built_params: int) -> Estimate:
     """The peak phase, the terms outside the allocator, and whether the rank and the node's host RAM fit."""
     m, tr, world = cfg.model, cfg.trainer, plan.world
+    allocator = allocator_of(cfg.launcher, world.accelerator)
     host_steady = phase(states.host)
     peak_phase = max(phases, key=lambda k: sum(phases[k].values()))
     alloc_peak = sum(phases[peak_phase].values())
@@ -252,10 +253,10 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
         retained = int(cal.heap_retention * act.heap_churn)
-        if allocator_of(cfg.launcher, world.accelerator) == Allocator.tcmalloc:
+        if allocator == Allocator.tcmalloc:
             retained = min(retained, cal.tcmalloc_thread_caches)  # its size classes keep no more
         comps["heap retention"] = retained + _zero3_regather_heap(cfg, plan, bd)
-        if allocator_of(cfg.launcher, world.accelerator) in PRELOADED:
+        if allocator in PRELOADED:
             # Freed spans stay in the allocator's page heap for reuse (what makes it fast); the blocks that find
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
@@ -294,7 +295,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     host_cap = hw.host_usable_bytes
     widths = term_widths(comps, accelerator=world.accelerator, process_measured=cal.process_measured,
                          mmap_threshold=small_block_threshold(cfg.launcher, world.accelerator),
-                         allocator=allocator_of(cfg.launcher, world.accelerator),
+                         allocator=allocator,
                          calibrated=correction is not None, placement=placement)
     bound = upper_bound(per_rank, widths)
     fits_device = capacity > 0 and bound <= capacity
@@ -311,7 +312,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         "activation_checkpointing": tr.activation_checkpointing, "grad_accum_steps": plan.grad_accum_steps,
         "global_batch_size": plan.global_batch_size, "data_parallel_size": max(1, plan.data_parallel_size),
         "ranks_per_node": world.nproc_per_node, "nodes": world.nnodes, "accelerator": world.accelerator,
-        "allocator": allocator_of(cfg.launcher, world.accelerator).value,
+        "allocator": allocator.value,
         "attention_kernel": act.kernel, "buckets": plan.buckets.to_json(), "overlap_comm": cfg.zero.overlap_comm,
     }
     return Estimate(components=comps, per_rank_peak_bytes=int(per_rank), device_capacity_bytes=int(capacity),

@@ -122,11 +122,11 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
                     alloc_peak: int, partition: int, largest_trainable: int, built_params: int,
                     norm_block: int = 0) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
-    phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss (the embedding
-    gradient's) phase and one more fp32 logits block (``norm_block``: the fp64 copy the norm of the embedding's
-    gradient is taken of, buffers.embedding_norm_block) for each span the optimizer's states took (at least one
-    logits block); or, at ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first)
-    under the step's."""
+    phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss phase and one more
+    fp32 logits block for each logits span the optimizer's states took (at least one); or the embedding gradient's
+    phase and one more ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of,
+    buffers.embedding_norm_block) where it has a span of its own; or, at ZeRO-1/2/3, the start-up's heap
+    (``built_params``: the model build_model() makes first) under the step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = max(largest_freed_block(cfg, plan, act, largest_trainable), layer_span(act))
