@@ -197,27 +197,42 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     fp16 = hw.accelerator == "cuda" or hw.fp16_ok
     states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
-    phases = step_phases(cfg, plan, bd, act, states, bwd, cal)
+    phases = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params)
     gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered)
     if gathered:  # after training: the states (as the step left them), the model gathered for the export
         # ZeRO-3's parameters are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance):
         # GPT-2 small fp32 + CPU offload, rank 0 rose 253 MiB above its training peak while exporting.
         phases["export"] = phase([*states.device.items(), *bwd.buffers, *bwd.resident,
                                   ("pipeline buffers", act.pipe_buffers), ("model gathered for export", gathered)])
-    host_steady = phase(states.host)
+        if plan.world.accelerator == "cpu":
+            phases["export"] = phase([*phases["export"].items(), *phase(states.host).items()])
+    est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
+    # The other ranks: only global rank 0 exports, and under ZeRO-1/2 only rank 0 holds the word embedding's
+    # gradient norm (rank 1 holds what is left of it, the most any other rank holds).
+    others_norm = plan.data_parallel_size > 1 and \
+        embedding_norm_block(cfg, plan, bd, rank=1) != embedding_norm_block(cfg, plan, bd)
+    if est.peak_phase == "export" or others_norm:
+        rest = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, rank=1) if others_norm else \
+            OrderedDict((k, v) for k, v in phases.items() if k != "export")
+        rest_est = against_capacity(cfg, plan, hw, cal, bd, act, states, rest, [], built_params, rank=1)
+        est = dataclasses.replace(est, others_peak_bytes=rest_est.per_rank_peak_bytes,
+                                  others_bound_bytes=rest_est.bound_bytes)
+    return est
+
+
+def rank_phases(cfg: RunConfig, plan: Plan, cal: Calibration, bd: ParamBreakdown, act: Activations,
+                states: ModelStates, bwd, built_params: int, rank: int = 0) -> "OrderedDict[str, Phase]":
+    """One data-parallel rank's training phases; on CPU ranks with the host's offloaded state in each (the device
+    is host RAM) and the fp32 build as the first."""
+    phases = step_phases(cfg, plan, bd, act, states, bwd, cal, rank)
     if plan.world.accelerator == "cpu":
-        # The device is host RAM: offloaded state shares it, and the fp32 build is an init phase.
+        host_steady = phase(states.host)
         for name in phases:
             phases[name] = phase([*phases[name].items(), *host_steady.items()])
         # build_model() makes fp32 weights; DeepSpeed casts them in place, one tensor at a time.
         phases["init"] = phase([("fp32 model as built", built_params * 4), ("buffers", bd.buffer_bytes)])
         phases.move_to_end("init", last=False)
-    est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
-    if est.peak_phase == "export":  # only global rank 0 exports: the other ranks peak in training
-        rest = against_capacity(cfg, plan, hw, cal, bd, act, states,
-                                OrderedDict((k, v) for k, v in phases.items() if k != "export"), [], built_params)
-        est = dataclasses.replace(est, others_peak_bytes=rest.per_rank_peak_bytes, others_bound_bytes=rest.bound_bytes)
-    return est
+    return phases
 
 
 def _zero3_regather_heap(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
@@ -234,8 +249,9 @@ def _zero3_regather_heap(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
 
 def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
                      act: Activations, states: ModelStates, phases: "OrderedDict[str, Phase]", notes: List[str],
-                     built_params: int) -> Estimate:
-    """The peak phase, the terms outside the allocator, and whether the rank and the node's host RAM fit."""
+                     built_params: int, rank: int = 0) -> Estimate:
+    """The peak phase, the terms outside the allocator, and whether the rank (data-parallel ``rank``) and the
+    node's host RAM fit."""
     m, tr, world = cfg.model, cfg.trainer, plan.world
     allocator = allocator_of(cfg.launcher, world.accelerator)
     host_steady = phase(states.host)
@@ -261,7 +277,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
                                                     bd.largest_trainable, built_params,
-                                                    embedding_norm_block(cfg, plan, bd))
+                                                    embedding_norm_block(cfg, plan, bd, rank))
             placement = placement_bytes(cfg, plan, act, phases, states.partition, bd.largest_trainable)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.

@@ -56,12 +56,27 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
     MLP-wide activation, (attention on CPU's math path) an fp32 a·s² score block, or the gradient of the largest
     parameter, which ZeRO frees once it is in a bucket or the partition (MiniLM's word embeddings' 47 MB hold its
     45 MB partition on 2 ranks)."""
+    mlp, scores = layer_blocks(cfg, plan, act)
+    return max(fp32_logits_block(act), mlp, scores, largest_trainable * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
+
+
+def layer_blocks(cfg: RunConfig, plan: Plan, act: Activations):
+    """(one MLP-wide activation, one fp32 a·s² score block where attention materialises them (CPU's math path)):
+    the largest blocks a layer frees; none in a pipeline stage of the embeddings alone."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
-    e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
-    layers = act.num_layers > 0  # a pipeline stage of the embeddings alone frees no layer's blocks
-    mlp = b * s * m.intermediate_size * e if layers else 0
-    scores = b * m.num_heads * s * s * 4 if layers and act.kernel in ("sdpa-math", "eager") else 0
-    return max(fp32_logits_block(act), mlp, scores, largest_trainable * e)
+    if act.num_layers == 0:
+        return 0, 0
+    mlp = b * s * m.intermediate_size * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    return mlp, b * m.num_heads * s * s * 4 if act.kernel in ("sdpa-math", "eager") else 0
+
+
+def norm_span_freed(cfg: RunConfig, plan: Plan, act: Activations) -> int:
+    """The largest span free when the embedding gradient's norm is allocated, at the end of backward: an fp32
+    logits block, an MLP-wide activation, one layer's saved tensors freed together (``layer_span``), or, where
+    attention materialises them, a score block and its probabilities, allocated and freed side by side. Not the
+    gradient of the largest parameter (``largest_freed_block``): the embedding's is freed after its norm."""
+    mlp, scores = layer_blocks(cfg, plan, act)
+    return max(fp32_logits_block(act), mlp, 2 * scores, layer_span(act))
 
 
 def layer_span(act: Activations) -> int:
@@ -136,17 +151,20 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     logits_block = fp32_logits_block(act)
     lazy = lazy_state_blocks(cfg, plan, partition)
     # The states are created at the first step, after the loss and the embedding's norm freed their blocks; the
-    # next step finds those spans taken and grows the heap by each block again. The norm has a span of its own only
-    # where no block freed before it could hold it (a logits span can), and that span does not outlive the first
-    # step: GPT-2 small, ZeRO-2, CPU offload, bf16, 2 ranks, logged: one 237 MiB Adam state took the 295 MiB fp64
-    # norm's span on the rank that holds the word embedding, whose heap grew by 295 MiB at step 2 (its twin takes
-    # no norm and grew by nothing); on one rank, where the 475 MiB states cannot take it, GPT-2 ZeRO-1/2 offload
-    # bf16 ranks grew by 295-368 MiB after their first step and a MiniLM fp32 one by 153 (its norm: 89 MiB).
-    norm_block = norm_block if norm_block > freed else 0
+    # next step finds those spans taken and grows the heap by each block again. The norm is allocated at the end
+    # of backward, before anything the step frees: where no span the activations freed holds it, it grows the heap
+    # above the activations' peak, and again at the next step where a state took its span. Logged (bigalloc), on
+    # the rank that holds the word embedding: GPT-2 small, ZeRO-2, CPU offload, bf16, 2 ranks: one 237 MiB Adam
+    # state took the 295 MiB fp64 norm's span and the heap grew by 295 MiB at step 2 (its twin grew by nothing);
+    # MiniLM, ZeRO-1, CPU offload, micro 3 x 240 (fp32 and bf16, 1 and 2 ranks) and 14 x 256 (checkpointing): the
+    # 87-89 MiB norm grew the heap at steps 1 and 2 with 200-330 MiB free in smaller spans, and at 11 x 336 it fit in
+    # the span of two freed 57 MiB score blocks, never growing it.
+    norm_block = norm_block if norm_block > norm_span_freed(cfg, plan, act) else 0
     spans = [logits_block] * act.loss_spans + [norm_block]
-    grown = max(1, sum(i < act.loss_spans for i in spans_taken(spans, lazy)))
+    taken = spans_taken(spans, lazy)
+    grown = max(1, sum(i < act.loss_spans for i in taken))
     at_loss = live.get("loss", 0) + grown * logits_block if logits_block else 0
-    at_norm = live.get("embedding grad", 0) + norm_block
+    at_norm = activation_peak + norm_block * (2 if act.loss_spans in taken else 1) if norm_block else 0
     after_startup = 0
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
         startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)

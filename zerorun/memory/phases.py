@@ -17,8 +17,9 @@ Phase = "OrderedDict[str, int]"
 
 
 def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations, states: ModelStates,
-                bwd, cal: Calibration) -> "OrderedDict[str, Phase]":
-    """The moments of one training step on the device, each the full list of what is alive then."""
+                bwd, cal: Calibration, rank: int = 0) -> "OrderedDict[str, Phase]":
+    """The moments of one training step on the device, each the full list of what is alive then, on data-parallel
+    ``rank`` (ranks differ only in the share of the word embedding's gradient norm they take)."""
     stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     part, persistent = states.partition, states.device
     step_states = persistent
@@ -63,7 +64,7 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
         # A pipeline's first stage still holds its other in-flight micro-batches here.
         others = act.saved - act.saved // act.in_flight
         emb_states, transient = _embedding_grad_states(cfg, plan, bd, persistent, part), \
-            embedding_grad_transient(cfg, plan, bd)
+            embedding_grad_transient(cfg, plan, bd, rank)
         if not first.before_embedding:  # every other gradient is in the bucket; this one is still its own
             emb_states = phase((k, v) for k, v in emb_states.items() if k != "gradients")
             transient = max(transient, bd.word_embedding * g)
