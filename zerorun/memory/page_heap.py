@@ -29,7 +29,7 @@ held out (seed 1795776381, 39 ranks) 2.3%, largest under 9.9%, the bound above a
 """
 from __future__ import annotations
 
-from typing import List, Mapping
+from typing import List, Mapping, Tuple
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
@@ -60,7 +60,7 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
     return max(fp32_logits_block(act), mlp, scores, largest_trainable * DTYPE_BYTES[Dtype(cfg.precision.dtype)])
 
 
-def layer_blocks(cfg: RunConfig, plan: Plan, act: Activations):
+def layer_blocks(cfg: RunConfig, plan: Plan, act: Activations) -> Tuple[int, int]:
     """(one MLP-wide activation, one fp32 a·s² score block where attention materialises them (CPU's math path)):
     the largest blocks a layer frees; none in a pipeline stage of the embeddings alone."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
@@ -138,9 +138,10 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
                     norm_block: int = 0) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
     phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss phase and one more
-    fp32 logits block for each logits span the optimizer's states took (at least one); or the embedding gradient's
-    phase and one more ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of,
-    buffers.embedding_norm_block) where it has a span of its own; or, at ZeRO-1/2/3, the start-up's heap
+    fp32 logits block for each logits span the optimizer's states took (at least one); or the activations' peak and
+    ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of on this rank,
+    buffers.embedding_norm_block), twice where a state took its span, where no span the activations freed holds it;
+    or, at ZeRO-1/2/3, the start-up's heap
     (``built_params``: the model build_model() makes first) under the step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
