@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..allocators import PRELOADED, small_block_threshold
 from ..allocators import concrete as allocator_of
@@ -197,15 +197,13 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     fp16 = hw.accelerator == "cuda" or hw.fp16_ok
     states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
-    phases = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params)
     gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered)
-    if gathered:  # after training: the states (as the step left them), the model gathered for the export
-        # ZeRO-3's parameters are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance):
-        # GPT-2 small fp32 + CPU offload, rank 0 rose 253 MiB above its training peak while exporting.
-        phases["export"] = phase([*states.device.items(), *bwd.buffers, *bwd.resident,
-                                  ("pipeline buffers", act.pipe_buffers), ("model gathered for export", gathered)])
-        if plan.world.accelerator == "cpu":
-            phases["export"] = phase([*phases["export"].items(), *phase(states.host).items()])
+    # after training: the states (as the step left them), the model gathered for the export. ZeRO-3's parameters
+    # are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance): GPT-2 small fp32 + CPU
+    # offload, rank 0 rose 253 MiB above its training peak while exporting.
+    export = phase([*states.device.items(), *bwd.buffers, *bwd.resident, ("pipeline buffers", act.pipe_buffers),
+                    ("model gathered for export", gathered)]) if gathered else None
+    phases = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, export=export)
     est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
     # The other ranks: only global rank 0 exports, and under ZeRO-1/2 only rank 0 holds the word embedding's
     # gradient norm (rank 1 holds what is left of it, the most any other rank holds).
@@ -221,10 +219,13 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
 
 
 def rank_phases(cfg: RunConfig, plan: Plan, cal: Calibration, bd: ParamBreakdown, act: Activations,
-                states: ModelStates, bwd, built_params: int, rank: int = 0) -> "OrderedDict[str, Phase]":
-    """One data-parallel rank's training phases; on CPU ranks with the host's offloaded state in each (the device
-    is host RAM) and the fp32 build as the first."""
+                states: ModelStates, bwd, built_params: int, rank: int = 0,
+                export: Optional[Phase] = None) -> "OrderedDict[str, Phase]":
+    """One data-parallel rank's phases: training's, then ``export`` where this rank writes it; on CPU ranks with
+    the host's offloaded state in each (the device is host RAM) and the fp32 build as the first."""
     phases = step_phases(cfg, plan, bd, act, states, bwd, cal, rank)
+    if export:
+        phases["export"] = export
     if plan.world.accelerator == "cpu":
         host_steady = phase(states.host)
         for name in phases:

@@ -141,8 +141,8 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     fp32 logits block for each logits span the optimizer's states took (at least one); or the activations' peak and
     ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of on this rank,
     buffers.embedding_norm_block), twice where a state took its span, where no span the activations freed holds it;
-    or, at ZeRO-1/2/3, the start-up's heap
-    (``built_params``: the model build_model() makes first) under the step's."""
+    or, at ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first) under the
+    step's."""
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = max(largest_freed_block(cfg, plan, act, largest_trainable), layer_span(act))
