@@ -84,11 +84,13 @@ def test_the_shape_only_trace_saves_what_a_real_forward_saves(model_type, dtype,
 
 def test_bytes_are_linear_in_the_micro_batch_so_two_traces_give_any_other():
     fields = TYPES["qwen3"]
-    per3, out3, kept3, _ = traced.saved_sizes("qwen3", fields, "causal_lm", 2, 3, 32, "fp32", True)
+    per3, out3, kept3, _, largest3, transient3 = traced.saved_sizes("qwen3", fields, "causal_lm", 2, 3, 32, "fp32",
+                                                                    True)
     real3 = [traced.trace_point("qwen3", fields, "causal_lm", 2, n, 3, 32, "fp32", True) for n in (1, 2)]
     assert (per3, out3) == traced.split_layers(*real3)
     assert sorted(kept3) == sorted(real3[0].kept)
-    *_, logits3 = traced.saved_sizes("gemma2", TYPES["gemma2"], "causal_lm", 2, 3, 32, "fp32", True)
+    assert (largest3, transient3) == (real3[0].largest, real3[0].transient) and largest3 > 0
+    logits3 = traced.saved_sizes("gemma2", TYPES["gemma2"], "causal_lm", 2, 3, 32, "fp32", True).logits
     assert logits3 == traced.trace_point("gemma2", TYPES["gemma2"], "causal_lm", 2, 1, 3, 32, "fp32", True).logits
 
 
@@ -109,8 +111,31 @@ def test_gemma_traces_one_layer_of_each_attention_kind():
 
 
 def test_checkpointing_keeps_the_materialised_mask_a_layer_is_given():
-    _, _, kept, _ = traced.saved_sizes("llama", TYPES["llama"], "causal_lm", 2, 2, 32, "fp32", True)
+    kept = traced.saved_sizes("llama", TYPES["llama"], "causal_lm", 2, 2, 32, "fp32", True).kept
     assert 2 * 32 * 32 in kept  # the (b, 1, s, s) bool mask every checkpoint keeps
+
+
+@pytest.mark.parametrize("model_type", ["deberta-v2", "qwen3", "mixtral"])
+def test_a_layers_largest_block_and_transient_are_a_real_forwards(model_type):
+    """The shape-only trace's largest block and transient of a layer's forward equal those of a real bf16 CPU forward
+    watched the same way, and DeBERTa's (whose gathers make fp32 scratch copies of b·h·s² in the kernel) is that
+    scratch: 4 bytes per element of the gathered scores."""
+    fields, task, b, s = TYPES[model_type], task_of(model_type), 2, 48
+    point = traced.trace_point(model_type, fields, task, 2, 1, b, s, "bf16", True)
+    model = real_model(model_type, fields, task, 1, torch.bfloat16)
+    watch = traced._layer_blocks_mode()
+    watch.skip = frozenset(t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()])
+    for layer in traced._layer_list(model, 1)[1]:
+        layer.register_forward_pre_hook(watch.enter)
+        layer.register_forward_hook(watch.leave)
+    kwargs = {"use_cache": False} if task == "causal_lm" else {"attention_mask": torch.ones(b, s, dtype=torch.long)}
+    with watch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=torch.randint(0, 300, (b, s)), **kwargs)
+    assert (point.largest, point.transient) == (watch.largest, watch.transient)
+    assert point.transient > 0
+    if model_type == "deberta-v2":
+        assert point.largest == 4 * b * ENCODER["num_attention_heads"] * s * s
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "llama"])

@@ -24,11 +24,11 @@ import json
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import fuse_activations
 
-CACHE_VERSION = 5
+CACHE_VERSION = 7
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
                 "quantization_config", "auto_map", "use_cache")
@@ -275,6 +275,23 @@ class TracePoint:
     """Of ``sizes``, what the forward saves on the head's output (Gemma's final soft-capping keeps its tanh of the
     b·s·V logits): part of the model's own loss, never made by ``trainer.fused_loss``, which takes the head's
     input instead."""
+    largest: int = 0
+    """The largest block a layer's forward allocates, saved or not (DeBERTa's fp32 copies in its c2p/p2c gathers,
+    which the CPU kernel makes): the span it frees is what the page heap can reuse (memory/page_heap.py)."""
+    transient: int = 0
+    """How far a layer's forward takes the live bytes above what it leaves alive (what it keeps and its output):
+    under checkpointing that forward is rerun inside the backward, on top of everything else alive."""
+
+
+class Saved(NamedTuple):
+    """What a traced training forward saves, bytes per storage (``saved_sizes``)."""
+
+    layer: Tuple[int, ...]
+    outside: Tuple[int, ...]
+    kept: Tuple[int, ...]
+    logits: Tuple[int, ...]
+    largest: int
+    transient: int
 
 
 def _balanced_mode(experts: int):
@@ -306,6 +323,60 @@ def _balanced_mode(experts: int):
     return Balanced()
 
 
+def _layer_blocks_mode():
+    """A dispatch mode that watches each layer's forward (``enter``/``leave``, from module hooks): the largest block
+    an op allocates there (the weights' own aside, ``skip``: a transposed weight is a view of it), and the
+    transient, how far the live bytes rise above what the layer leaves alive at its end. Storages are followed by
+    weak reference, as torch.distributed._tools.mem_tracker does; a kernel's own scratch is added where known."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    gather = torch.ops.aten.gather.default
+
+    class LayerBlocks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.skip, self.largest, self.transient = frozenset(), 0, 0
+            self.inside, self.live, self.now, self.peak = False, {}, 0, 0
+
+        def enter(self, *_):
+            self.inside, self.peak = True, self.now
+
+        def leave(self, *_):
+            self.inside = False
+            self.transient = max(self.transient, self.peak - self.now)
+
+        def _gone(self, key):
+            self.now -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            scratch = 0
+            for t in tree_leaves(out):
+                st = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+                if st is None or st._cdata in self.skip:
+                    continue
+                if id(st) not in self.live:
+                    self.live[id(st)] = st.nbytes()
+                    self.now += st.nbytes()
+                    weakref.finalize(st, self._gone, id(st))
+                if self.inside:
+                    self.largest = max(self.largest, st.nbytes())
+                if func is gather and t.dtype in (torch.bfloat16, torch.float16):
+                    # CPU's gather of a 16-bit tensor makes an fp32 copy of its output while it runs (logged with
+                    # bigalloc: DeBERTa's c2p and p2c gathers at 11 x 4 x 384², 24.75 MiB each, freed at return)
+                    scratch = max(scratch, 4 * t.numel())
+            if self.inside:
+                self.largest = max(self.largest, scratch)
+                self.peak = max(self.peak, self.now + scratch)
+            return out
+
+    return LayerBlocks()
+
+
 def _fake_copy(meta_model, dtype):
     """The meta-device model's parameters and buffers as fake CPU tensors (ties kept)."""
     import torch
@@ -334,7 +405,8 @@ def trace_point(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
            "batch": batch, "seq": seq, "dtype": dtype, "no_cache": no_cache, "lora": lora, "dropout_off": dropout_off}
     d = cached("trace", key, lambda: asdict(_trace(model_type, fields, task, num_labels, layers, batch, seq,
                                                      dtype, no_cache, lora, dropout_off)))
-    return TracePoint(d["layers"], tuple(d["sizes"]), tuple(d["kept"]), tuple(d["logits"]))
+    return TracePoint(d["layers"], tuple(d["sizes"]), tuple(d["kept"]), tuple(d["logits"]), d["largest"],
+                      d["transient"])
 
 
 def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_cache, lora, dropout_off):
@@ -386,13 +458,17 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
                     alive.append(t)  # Gemma-2's masks die with its body; the soft-capping's tanh took their address
                     inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
 
-        hooks = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True)
-                 for layer in _layer_list(model, cfg.num_hidden_layers)[1]]
+        blocks = _layer_blocks_mode()
+        blocks.skip = frozenset(sizes)  # the parameters' and buffers' storages
+        hooks = []
+        for layer in _layer_list(model, cfg.num_hidden_layers)[1]:
+            hooks += [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True),
+                      layer.register_forward_pre_hook(blocks.enter), layer.register_forward_hook(blocks.leave)]
         head = model.get_output_embeddings() if task == "causal_lm" else None
         saved_before_logits: List[int] = []  # storages saved up to the head's output; the rest act on the logits
         if head is not None:
             hooks.append(head.register_forward_hook(lambda *_: saved_before_logits.append(len(sizes))))
-        with _balanced_mode(experts), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _balanced_mode(experts), blocks, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             try:
                 model(input_ids=ids, **kwargs)
             except Exception as e:  # a model whose forward a shape-only trace cannot run
@@ -402,7 +478,8 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
         h.remove()
     kept = tuple(n for k, n in inputs.items() if k not in sizes)
     after_head = list(sizes.values())[saved_before_logits[0]:] if saved_before_logits else []
-    return TracePoint(layers, tuple(n for n in sizes.values() if n), kept, tuple(n for n in after_head if n))
+    return TracePoint(layers, tuple(n for n in sizes.values() if n), kept, tuple(n for n in after_head if n),
+                      blocks.largest, blocks.transient)
 
 
 def depths(model_type: str, fields: Dict[str, Any], num_labels: int = 2) -> Tuple[int, int]:
@@ -424,10 +501,10 @@ def split_layers(shallow: TracePoint, deep: TracePoint) -> Tuple[Tuple[int, ...]
 
 
 def saved_sizes(model_type: str, fields: Dict[str, Any], task: str, num_labels: int, batch: int, seq: int,
-                dtype: str, no_cache: bool, lora=None, dropout_off: bool = False):
-    """(one layer's saved storages, those saved outside the layers, the layers' inputs a checkpoint keeps besides
-    the hidden states, those of the outside ones saved on the head's output), bytes each, at micro-batch
-    ``batch``. Traced at batch 1 and 2 and extended along the line every storage's bytes follow in the batch (one
+                dtype: str, no_cache: bool, lora=None, dropout_off: bool = False) -> Saved:
+    """One layer's saved storages, those saved outside the layers, the layers' inputs a checkpoint keeps besides
+    the hidden states, those of the outside ones saved on the head's output (bytes each), and the largest block a
+    layer's forward allocates and its transient (TracePoint), at micro-batch ``batch``. Traced at batch 1 and 2 and extended along the line every storage's bytes follow in the batch (one
     more trace where a storage appears at one size only)."""
     def at(layers: int) -> TracePoint:
         point = functools.partial(trace_point, model_type, fields, task, num_labels, layers, seq=seq, dtype=dtype,
@@ -438,8 +515,9 @@ def saved_sizes(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
         if any(len(getattr(one, f)) != len(getattr(two, f)) for f in ("sizes", "kept", "logits")):
             return point(batch=batch)
         line = lambda a, b: tuple(x + (batch - 1) * (y - x) for x, y in zip(a, b))  # noqa: E731
-        return TracePoint(layers, line(one.sizes, two.sizes), line(one.kept, two.kept), line(one.logits, two.logits))
+        return TracePoint(layers, line(one.sizes, two.sizes), line(one.kept, two.kept), line(one.logits, two.logits),
+                          *line((one.largest, one.transient), (two.largest, two.transient)))
 
     shallow, deep = depths(model_type, fields, num_labels)
     low = at(shallow)
-    return (*split_layers(low, at(deep)), low.kept, low.logits)
+    return Saved(*split_layers(low, at(deep)), low.kept, low.logits, low.largest, low.transient)

@@ -75,6 +75,9 @@ class Activations:
     keeps its tanh): the model's own loss only; ``with_fused_loss`` takes it out."""
     small_logits: int = 0
     """The same below the mmap threshold (part of ``small_outside``)."""
+    layer_block: int = 0
+    """The largest block one layer's forward allocates, saved or not (traced models; 0: the template's MLP-wide
+    activation or score block, memory.page_heap.layer_blocks)."""
 
     @property
     def heap_churn(self) -> int:
@@ -281,15 +284,17 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
     kernel choice; on CUDA it is traced without attention dropout, as the fused kernels keep no dropout tensors
     (the s² tensors CPU's math path saves with dropout are not CUDA's). Checkpointing keeps each layer's hidden
     input and the layers' other inputs nothing saves (a materialised mask), and recomputes one layer on the path
-    without a KV cache. The working set of one layer's backward and the loss transient are the template's."""
+    without a KV cache, inside the backward: the working set is the template's for one layer's backward, or, where
+    larger, that recomputation's transient (traced: DeBERTa's fp32 gather copies). The loss transient is the
+    template's."""
     from ..arch import saved_sizes
 
     task_name = (TaskName(task) if task not in (None, TaskName.auto) else default_task(m.family)).value
     lora_key = (tuple(lora[0]), int(lora[1]), float(lora[2])) if lora is not None else None
     trace = lambda no_cache: saved_sizes(m, task_name, num_labels, b, s, Dtype(dtype).value, no_cache,  # noqa: E731
                                          lora_key, dropout_off=accelerator == "cuda")
-    layer, outside, _, logits = trace(False)
-    recompute, outside_nc, kept_inputs, logits_nc = trace(True)
+    layer, outside, _, logits, block, _ = trace(False)
+    recompute, outside_nc, kept_inputs, logits_nc, block_nc, transient = trace(True)
     e, t = DTYPE_BYTES[Dtype(dtype)], b * s
     kept = e * m.hidden_size * t
     if checkpointing:
@@ -298,11 +303,13 @@ def traced_activations(m: ModelConfig, b: int, s: int, dtype: Dtype, accelerator
         else (lambda sizes: 0)
     lm = task_name == TaskName.causal_lm.value
     return Activations("traced", sum(layer), sum(recompute), kept, sum(outside),
-                       working_set=e * t * (m.hidden_size + 2 * m.intermediate_size),
+                       working_set=max(e * t * (m.hidden_size + 2 * m.intermediate_size),
+                                       transient if checkpointing else 0),
                        logits_loss=LOSS_BYTES_PER_LOGIT * (t * m.vocab_size if lm else b * num_labels),
                        num_layers=m.num_layers, checkpointing=checkpointing, small_per_layer=small(layer),
                        small_checkpoint=small([kept]), small_outside=small(outside),
-                       logits_saved=sum(logits), small_logits=small(logits))
+                       logits_saved=sum(logits), small_logits=small(logits),
+                       layer_block=block_nc if checkpointing else block)
 
 
 FUSED_MIN_CHUNK = 256

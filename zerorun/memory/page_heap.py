@@ -61,12 +61,13 @@ def largest_freed_block(cfg: RunConfig, plan: Plan, act: Activations, largest_tr
 
 
 def layer_blocks(cfg: RunConfig, plan: Plan, act: Activations) -> Tuple[int, int]:
-    """(one MLP-wide activation, one fp32 a·s² score block where attention materialises them (CPU's math path)):
-    the largest blocks a layer frees; none in a pipeline stage of the embeddings alone."""
+    """(one MLP-wide activation, or a traced layer's largest block (``Activations.layer_block``: DeBERTa's fp32
+    gather copies); one fp32 a·s² score block where attention materialises them (CPU's math path)): the largest
+    blocks a layer frees; none in a pipeline stage of the embeddings alone."""
     m, b, s = cfg.model, cfg.trainer.micro_batch_size, plan.seq_len
     if act.num_layers == 0:
         return 0, 0
-    mlp = b * s * m.intermediate_size * DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    mlp = max(b * s * m.intermediate_size * DTYPE_BYTES[Dtype(cfg.precision.dtype)], act.layer_block)
     return mlp, b * m.num_heads * s * s * 4 if act.kernel in ("sdpa-math", "eager") else 0
 
 
