@@ -28,7 +28,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from . import fuse_activations
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "model_type",
                 "quantization_config", "auto_map", "use_cache")
@@ -323,11 +323,12 @@ def _balanced_mode(experts: int):
     return Balanced()
 
 
-def _layer_blocks_mode():
+def _layer_blocks_mode(cpu_kernels: bool = True):
     """A dispatch mode that watches each layer's forward (``enter``/``leave``, from module hooks): the largest block
     an op allocates there (the weights' own aside, ``skip``: a transposed weight is a view of it), and the
     transient, how far the live bytes rise above what the layer leaves alive at its end. Storages are followed by
-    weak reference, as torch.distributed._tools.mem_tracker does; a kernel's own scratch is added where known."""
+    weak reference, as torch.distributed._tools.mem_tracker does; a CPU kernel's own scratch is added where known
+    (``cpu_kernels``)."""
     import weakref
 
     import torch
@@ -365,7 +366,7 @@ def _layer_blocks_mode():
                     weakref.finalize(st, self._gone, id(st))
                 if self.inside:
                     self.largest = max(self.largest, st.nbytes())
-                if func is gather and t.dtype in (torch.bfloat16, torch.float16):
+                if cpu_kernels and func is gather and t.dtype in (torch.bfloat16, torch.float16):
                     # CPU's gather of a 16-bit tensor makes an fp32 copy of its output while it runs (logged with
                     # bigalloc: DeBERTa's c2p and p2c gathers at 11 x 4 x 384², 24.75 MiB each, freed at return)
                     scratch = max(scratch, 4 * t.numel())
@@ -458,7 +459,7 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
                     alive.append(t)  # Gemma-2's masks die with its body; the soft-capping's tanh took their address
                     inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
 
-        blocks = _layer_blocks_mode()
+        blocks = _layer_blocks_mode(cpu_kernels=not dropout_off)  # dropout_off: the trace for CUDA ranks
         blocks.skip = frozenset(sizes)  # the parameters' and buffers' storages
         hooks = []
         for layer in _layer_list(model, cfg.num_hidden_layers)[1]:
