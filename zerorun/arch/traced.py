@@ -505,8 +505,9 @@ def saved_sizes(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
                 dtype: str, no_cache: bool, lora=None, dropout_off: bool = False) -> Saved:
     """One layer's saved storages, those saved outside the layers, the layers' inputs a checkpoint keeps besides
     the hidden states, those of the outside ones saved on the head's output (bytes each), and the largest block a
-    layer's forward allocates and its transient (TracePoint), at micro-batch ``batch``. Traced at batch 1 and 2 and extended along the line every storage's bytes follow in the batch (one
-    more trace where a storage appears at one size only)."""
+    layer's forward allocates and its transient (TracePoint), at micro-batch ``batch``. Traced at batch 1 and 2
+    and extended along the line every storage's bytes follow in the batch (one more trace where a storage appears
+    at one size only)."""
     def at(layers: int) -> TracePoint:
         point = functools.partial(trace_point, model_type, fields, task, num_labels, layers, seq=seq, dtype=dtype,
                                   no_cache=no_cache, lora=lora, dropout_off=dropout_off)
