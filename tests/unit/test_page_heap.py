@@ -10,9 +10,9 @@ from helpers import CPU2, CPU_HOST, composed
 from zerorun.config import World, make_plan
 from zerorun.memory import estimate
 from zerorun.memory.buffers import embedding_norm_block
-from zerorun.memory.page_heap import (ACTIVATION_PHASES, largest_freed_block, layer_span, lazy_state_blocks,
-                                      logits_spans_taken, norm_span_freed, placement_bytes, spans_taken, startup_heap,
-                                      step_block)
+from zerorun.memory.page_heap import (ACTIVATION_PHASES, largest_freed_block, layer_blocks, layer_span,
+                                      lazy_state_blocks, logits_spans_taken, norm_span_freed, placement_bytes,
+                                      spans_taken, startup_heap, step_block)
 from zerorun.memory.params import param_breakdown
 from zerorun.memory.priors import PAGE_HEAP_TERM
 
@@ -194,6 +194,21 @@ def test_zero3_step_blocks_grow_the_heap_on_top_of_its_startup_copies():
     part = -(-e.params // 2)
     assert round(startup_heap(cfg, plan, e.params, part, _largest(cfg, plan)) / MIB) == 1187  # 1,305 with the copy
     assert 2_400 * MIB < _heap(e) < 2_700 * MIB
+
+
+def test_a_traced_layers_largest_block_is_a_freed_span_and_widens_the_placement():
+    # Held-out set 1795915053: a LoRA DeBERTa-v2 whose c2p/p2c gathers make 24.75 MiB fp32 scratch blocks in CPU's
+    # kernel (arch/traced.py) read 618.7 MiB through a bound of 616, which took a 3.1 MiB MLP block as the largest.
+    import dataclasses
+
+    cfg, plan, e = term("+model=minilm", "zero=stage1", "precision=bf16", "data.seq_len=128",
+                        "trainer.micro_batch_size=2")
+    act = _act(cfg, plan)
+    big = 8 * largest_freed_block(cfg, plan, act, _largest(cfg, plan))
+    traced = dataclasses.replace(act, layer_block=big)
+    assert layer_blocks(cfg, plan, traced)[0] == big > layer_blocks(cfg, plan, act)[0]
+    assert largest_freed_block(cfg, plan, traced, _largest(cfg, plan)) == big
+    assert placement_bytes(cfg, plan, traced, e.phases, e.params, _largest(cfg, plan)) >= 2 * big
 
 
 @pytest.mark.heavy
