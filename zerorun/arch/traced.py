@@ -323,7 +323,7 @@ def _balanced_mode(experts: int):
     return Balanced()
 
 
-def _layer_blocks_mode(cpu_kernels: bool = True):
+def _layer_blocks_mode(skip: frozenset = frozenset(), cpu_kernels: bool = True):
     """A dispatch mode that watches each layer's forward (``enter``/``leave``, from module hooks): the largest block
     an op allocates there (the weights' own aside, ``skip``: a transposed weight is a view of it), and the
     transient, how far the live bytes rise above what the layer leaves alive at its end. Storages are followed by
@@ -340,7 +340,7 @@ def _layer_blocks_mode(cpu_kernels: bool = True):
     class LayerBlocks(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.skip, self.largest, self.transient = frozenset(), 0, 0
+            self.skip, self.largest, self.transient = skip, 0, 0
             self.inside, self.live, self.now, self.peak = False, {}, 0, 0
 
         def enter(self, *_):
@@ -459,8 +459,8 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
                     alive.append(t)  # Gemma-2's masks die with its body; the soft-capping's tanh took their address
                     inputs.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
 
-        blocks = _layer_blocks_mode(cpu_kernels=not dropout_off)  # dropout_off: the trace for CUDA ranks
-        blocks.skip = frozenset(sizes)  # the parameters' and buffers' storages
+        # skip the parameters' and buffers' storages; dropout_off is the trace for CUDA ranks
+        blocks = _layer_blocks_mode(skip=frozenset(sizes), cpu_kernels=not dropout_off)
         hooks = []
         for layer in _layer_list(model, cfg.num_hidden_layers)[1]:
             hooks += [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True),
