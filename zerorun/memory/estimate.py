@@ -152,9 +152,12 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         return rank_estimate(cfg, plan, hw, cal, bd, act, bd.total, key)
     stages = pipeline_stages(cfg, plan)
     last = len(stages) - 1
-    per_stage = [rank_estimate(cfg, plan, hw, cal, *stage_view(cfg, bd, act, st, st.index == last), bd.total, key,
-                               exporter=st.index == 0)  # global rank 0 holds stage 0 and writes the export
-                 for st in stages]
+    views = [stage_view(cfg, bd, act, st, st.index == last) for st in stages]
+    held = [view[0].total for view in views]  # each stage's own parameters, a tied head's copy included
+    per_stage = [rank_estimate(cfg, plan, hw, cal, *views[i], bd.total, key,
+                               exporter=i == 0,  # global rank 0 holds stage 0 and writes the export
+                               other_stages=tuple(n for j, n in enumerate(held) if j != i))
+                 for i in range(len(stages))]
     worst = max(range(len(stages)), key=lambda i: per_stage[i].per_rank_peak_bytes)
     est = per_stage[worst]
     world = plan.world
@@ -189,15 +192,16 @@ def tp_gathered(whole: ParamBreakdown, shard: ParamBreakdown) -> int:
 
 def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
                   act: Activations, built_params: int, key: Tuple, exporter: bool = True,
-                  tp_gathered: int = 0) -> Estimate:
+                  tp_gathered: int = 0, other_stages: Tuple[int, ...] = ()) -> Estimate:
     """One rank's estimate for the parameters in ``bd`` and the activations in ``act`` (the whole model,
     one pipeline stage, or one tensor-parallel share); ``built_params``: what build_model() makes on every rank
     first (the whole model); ``key``: the params.model_key of ``bd``; ``exporter``: this rank writes the final
-    export; ``tp_gathered``: elements of the split tensors, gathered whole for the export."""
+    export; ``tp_gathered``: elements of the split tensors, gathered whole for the export; ``other_stages``: the
+    parameters each other pipeline stage holds."""
     fp16 = hw.accelerator == "cuda" or hw.fp16_ok
     states = model_states(cfg, plan, bd, param_swap_element_bytes(Dtype(cfg.precision.dtype), fp16))
     bwd = backward_buffers(cfg, plan, bd, key)
-    gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered)
+    gathered = export_gather_bytes(cfg, plan, built_params, bd.total, exporter, tp_gathered, other_stages)
     # after training: the states (as the step left them), the model gathered for the export. ZeRO-3's parameters
     # are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance): GPT-2 small fp32 + CPU
     # offload, rank 0 rose 253 MiB above its training peak while exporting.
