@@ -323,8 +323,9 @@ def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
 
 def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_params: int, exporter: bool,
                         tp_gathered: int = 0, other_stages: Tuple[int, ...] = ()) -> int:
-    """What the rank that writes the export (global rank 0) holds beyond its states while it does (train/export.py),
-    on a CPU rank, where that is the same host memory.
+    """What a rank holds beyond its states while the export is written (train/export.py): the rank that writes it
+    (global rank 0, ``exporter``), and in a pipeline each other stage's sender; on a CPU rank, where that is the
+    same host memory.
 
     - ZeRO-0/1/2: the module's own tensors; safetensors writes them from their memory (no copy on the host).
     - ZeRO-3: ``_zero3_consolidated_16bit_state_dict`` clones every gathered parameter on rank 0: the whole model
@@ -344,8 +345,7 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
     if plan.pipeline:
         if not exporter:
             return 2 * stage_params * e
-        others = list(other_stages) or [max(0, built_params - stage_params)]
-        return (sum(others) + max(others)) * e
+        return (sum(other_stages) + max(other_stages, default=0)) * e
     if not exporter:
         return 0
     return built_params * e if cfg.zero.stage == 3 else tp_gathered * e
