@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import GPU8, composed
-from zerorun.arch import lora_target_problems, traced
+from zerorun.arch import lora_target_problems, trace_modes, traced
 from zerorun.config import check
 
 pytestmark = pytest.mark.unit
@@ -123,7 +123,7 @@ def test_a_layers_largest_block_and_transient_are_a_real_forwards(model_type):
     fields, task, b, s = TYPES[model_type], task_of(model_type), 2, 48
     point = traced.trace_point(model_type, fields, task, 2, 1, b, s, "bf16", True)
     model = real_model(model_type, fields, task, 1, torch.bfloat16)
-    watch = traced._layer_blocks_mode(frozenset(t.untyped_storage()._cdata for t in [*model.parameters(),
+    watch = trace_modes.layer_blocks_mode(frozenset(t.untyped_storage()._cdata for t in [*model.parameters(),
                                                                                *model.buffers()]))
     for layer in traced._layer_list(model, 1)[1]:
         layer.register_forward_pre_hook(watch.enter)
