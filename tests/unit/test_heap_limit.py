@@ -24,6 +24,12 @@ def test_each_rank_gets_its_own_figures():
     assert rank_figures(flat, 1) == (800 * MIB, 880 * MIB)
     assert rank_figures(ESTIMATE, 3, stage=1) == (700 * MIB, 790 * MIB)  # a pipeline rank: its stage's
     assert rank_figures(flat, 1, stage=-1) == (800 * MIB, 880 * MIB)  # -1: not a pipeline (gather_memory's)
+    # a pipeline stage's first replica sends its stage to the export: it is held to the export's figure
+    sender = dict(ESTIMATE["pipeline_stages"][1], exporting_rank=2, other_ranks_peak_bytes=600 * MIB,
+                  other_ranks_bound_bytes=650 * MIB)
+    piped = dict(ESTIMATE, pipeline_stages=[ESTIMATE["pipeline_stages"][0], sender])
+    assert rank_figures(piped, 2, stage=1) == (700 * MIB, 790 * MIB)
+    assert rank_figures(piped, 3, stage=1) == (600 * MIB, 650 * MIB)
 
 
 def test_the_ceiling_is_the_ranks_share_of_host_ram_never_below_its_bound_less_what_is_outside_the_heap():

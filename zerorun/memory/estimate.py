@@ -29,8 +29,8 @@ from .phases import Phase, step_phases
 from .page_heap import page_heap_bytes, placement_bytes
 from .priors import DEFAULT_CALIBRATION, OVERHEADS, PAGE_HEAP_TERM, RUNTIME_TERM, Calibration, correction_key, runtime_overhead_key
 from .stages import pipeline_stages, stage_view
-from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, host_step_bytes, model_states,
-                     param_swap_element_bytes, phase)
+from .states import (DS_SUB_GROUP_SIZE, ModelStates, export_gather_bytes, export_pickle_blocks,
+                     gradients_kept_after_step, host_step_bytes, model_states, param_swap_element_bytes, phase)
 
 
 def gib(n: float) -> str:
@@ -179,6 +179,8 @@ def estimate(cfg: RunConfig, plan: Plan, hw: Hardware, *, cal: Calibration = DEF
         fits=fits_host and fits_device, params=bd.total, summary=summary, notes=notes,
         stages=[dict(st.to_json(), per_rank_peak_bytes=e.per_rank_peak_bytes, per_rank_bound_bytes=e.bound_bytes,
                      **e.others_json(),
+                     # stage-major ranks: each stage's first replica sends it to the export (rank 0 writes it)
+                     exporting_rank=st.index * plan.data_parallel_size,
                      peak_phase=e.peak_phase,
                      model_state_bytes=e.model_state_bytes, components=dict(e.components), fits=e.fits_device,
                      phases={k: dict(v) for k, v in e.phases.items()})
@@ -205,10 +207,13 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     # after training: the states (as the step left them), the model gathered for the export. ZeRO-3's parameters
     # are gathered again by evaluation's forward and stay so (stage3_max_reuse_distance): GPT-2 small fp32 + CPU
     # offload, rank 0 rose 253 MiB above its training peak while exporting.
-    export = phase([*states.device.items(), *bwd.buffers, *bwd.resident, ("pipeline buffers", act.pipe_buffers),
+    kept = states.device.items() if gradients_kept_after_step(cfg) else \
+        [(k, v) for k, v in states.device.items() if k != "gradients"]
+    export = phase([*kept, *bwd.buffers, *bwd.resident, ("pipeline buffers", act.pipe_buffers),
                     ("model gathered for export", gathered)]) if gathered else None
     phases = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, export=export)
-    est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params)
+    est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params,
+                           export_blocks=export_pickle_blocks(cfg, plan, bd.total, exporter, other_stages))
     # The other ranks: only global rank 0 exports, and under ZeRO-1/2 only rank 0 holds the word embedding's
     # gradient norm (rank 1 holds what is left of it, the most any other rank holds).
     others_norm = plan.data_parallel_size > 1 and \
@@ -254,9 +259,9 @@ def _zero3_regather_heap(cfg: RunConfig, plan: Plan, bd: ParamBreakdown) -> int:
 
 def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd: ParamBreakdown,
                      act: Activations, states: ModelStates, phases: "OrderedDict[str, Phase]", notes: List[str],
-                     built_params: int, rank: int = 0) -> Estimate:
+                     built_params: int, rank: int = 0, export_blocks: Tuple[int, ...] = ()) -> Estimate:
     """The peak phase, the terms outside the allocator, and whether the rank (data-parallel ``rank``) and the
-    node's host RAM fit."""
+    node's host RAM fit; ``export_blocks``: the export's whole-stage blocks (states.export_pickle_blocks)."""
     m, tr, world = cfg.model, cfg.trainer, plan.world
     allocator = allocator_of(cfg.launcher, world.accelerator)
     host_steady = phase(states.host)
@@ -282,7 +287,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
             # none large enough grow it (page_heap.py, §5.4).
             comps[PAGE_HEAP_TERM] = page_heap_bytes(cfg, plan, act, phases, alloc_peak, states.partition,
                                                     bd.largest_trainable, built_params,
-                                                    embedding_norm_block(cfg, plan, bd, rank))
+                                                    embedding_norm_block(cfg, plan, bd, rank), export_blocks)
             placement = placement_bytes(cfg, plan, act, phases, states.partition, bd.largest_trainable)
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.

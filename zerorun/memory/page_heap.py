@@ -29,7 +29,7 @@ held out (seed 1795776381, 39 ranks) 2.3%, largest under 9.9%, the bound above a
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Tuple
+from typing import List, Mapping, Sequence, Tuple
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
@@ -129,6 +129,18 @@ def spans_taken(spans: List[int], state_blocks: List[int]) -> List[int]:
     return taken
 
 
+def unplaced_bytes(spans: List[int], blocks: Sequence[int]) -> int:
+    """The bytes of ``blocks`` that no span holds, each placed best fit in turn (what grows the heap)."""
+    left, grown = list(spans), 0
+    for b in blocks:
+        fits = [i for i, s in enumerate(left) if s >= b]
+        if fits:
+            left[min(fits, key=lambda i: left[i])] -= b
+        else:
+            grown += b
+    return grown
+
+
 def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> int:
     """How many of the loss's ``count`` freed fp32 logits spans of ``block`` bytes the state blocks take."""
     return len(spans_taken([block] * count, state_blocks))
@@ -136,14 +148,16 @@ def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> i
 
 def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],
                     alloc_peak: int, partition: int, largest_trainable: int, built_params: int,
-                    norm_block: int = 0) -> int:
+                    norm_block: int = 0, export_blocks: Sequence[int] = ()) -> int:
     """Resident bytes beyond ``alloc_peak`` (the largest phase's live bytes): the heap that holds the activation
     phases' peak and, where no freed block can hold them, the step's flat blocks; or the loss phase and one more
     fp32 logits block for each logits span the optimizer's states took (at least one); or the activations' peak and
     ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of on this rank,
     buffers.embedding_norm_block), twice where a state took its span, where no span the activations freed holds it;
     or, at ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first) under the
-    step's."""
+    step's. After training, the export (``export_blocks``: its whole-stage pickles) lands on the heap
+    training left: a block no freed span holds grows it.
+    """
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = max(largest_freed_block(cfg, plan, act, largest_trainable), layer_span(act))
@@ -171,8 +185,18 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
         startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)
         after_startup = startup + flat + sum(b for b in lazy if b > freed)
-    return max(0, activation_peak + flat - alloc_peak, at_loss - alloc_peak, at_norm - alloc_peak,
-               after_startup - alloc_peak)
+    held = max(max(live.values(), default=0), activation_peak + flat, at_loss, at_norm, after_startup)
+    # The export's pickles, after training: the spans still free then are the step's flat blocks (as many as its
+    # transient holds), the largest gradient's, the loss's and each layer's largest (norm_span_freed's, per layer).
+    # Sampled (GPT-2 small, 2 stages, fp32): each rank's heap grew by one 309.5 MiB pickle, the other took the
+    # 312.5 MiB span of the all-reduce buffer; rank 0 then held 39 MiB beyond its live bytes. MiniLM's 41 MiB
+    # pickles (2 stages, micro 8 x 288) grew nothing: each layer freed a 32 MiB score block beside its probabilities.
+    one_step = step_block(cfg, plan, partition, largest_trainable)
+    mlp, scores = layer_blocks(cfg, plan, act)
+    spans = [all_reduce, *[one_step] * max(1, step // max(1, one_step)), 4 * largest_trainable,
+             *[logits_block] * act.loss_spans, *[max(mlp, 2 * scores, layer_span(act))] * act.num_layers]
+    exported = held + unplaced_bytes(spans, export_blocks) if "export" in phases else 0
+    return max(0, held - alloc_peak, exported - alloc_peak)
 
 
 def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],

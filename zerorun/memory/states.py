@@ -330,12 +330,15 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
     - ZeRO-0/1/2: the module's own tensors; safetensors writes them from their memory (no copy on the host).
     - ZeRO-3: ``_zero3_consolidated_16bit_state_dict`` clones every gathered parameter on rank 0: the whole model
       in the module dtype.
-    - A pipeline (pipeline/export.py ``gather_hf_state_dict``): rank 0 keeps its own stage uncopied and receives
-      the others one at a time, pickled: every other stage unpickled, plus the pickle of the largest in transit;
-      each other stage's sender (its first replica) clones its stage and pickles the clone. ``other_stages``: what
-      each other stage holds, a tied head's copy of the embedding included (logged, GPT-2 small, 2 stages, fp32:
-      stage 1 sent 309.5 MiB, its layers and the 147 MiB tied embedding; rank 0 rose 477 MiB in the export and
-      stage 1's sender 429 MiB, against ~340 and 0 counted before).
+    - A pipeline (pipeline/export.py ``gather_hf_state_dict``, over torch.distributed's object send/receive):
+      rank 0 keeps its own stage uncopied and receives the others one at a time. Each stage it received stays,
+      unpickled; the one in transit is there four times: the receive buffer, its ``tobytes()`` copy, and while it
+      unpickles, each storage's bytes (the unpickler's memo keeps them) and the storage made of them. Each other
+      stage's sender clones its stage, pickles the clone (a tensor's storage pickles as bytes of its own, which the
+      pickler's memo keeps while it dumps) and copies the pickle into a byte tensor: three times its stage.
+      ``other_stages``: what each other stage holds, a tied head's copy of the embedding included. Sampled inside
+      the ranks (tcmalloc's live bytes; GPT-2 small, 2 stages of 309.5 MiB, fp32): rank 0 rose 1,220 MiB (3.9x),
+      stage 1's sender 820 MiB.
     - Tensor parallelism below ZeRO-3 (engine._replace_module_consolidated_state_dict): each split tensor is
       all-gathered whole and rank 0's state dict keeps it (``tp_gathered`` elements); the whole ones are its own.
     """
@@ -344,11 +347,32 @@ def export_gather_bytes(cfg: RunConfig, plan: Plan, built_params: int, stage_par
     e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     if plan.pipeline:
         if not exporter:
-            return 2 * stage_params * e
-        return (sum(other_stages) + max(other_stages, default=0)) * e
+            return 3 * stage_params * e
+        return (sum(other_stages) + 3 * max(other_stages, default=0)) * e
     if not exporter:
         return 0
     return built_params * e if cfg.zero.stage == 3 else tp_gathered * e
+
+
+def export_pickle_blocks(cfg: RunConfig, plan: Plan, stage_params: int, exporter: bool,
+                         other_stages: Tuple[int, ...] = ()) -> Tuple[int, ...]:
+    """The export's blocks of a whole stage in one piece (a pipeline's pickles on a CPU rank; the stages' own
+    tensors are many smaller blocks): rank 0's receive buffer and its ``tobytes()`` copy of the largest other stage,
+    a sender's pickle stream and the byte tensor copied from it. A preloaded allocator places each in a freed span
+    only where one is that large (memory/page_heap.py)."""
+    if not (cfg.trainer.export and plan.pipeline and plan.world.accelerator == "cpu"):
+        return ()
+    e = DTYPE_BYTES[Dtype(cfg.precision.dtype)]
+    stage = max(other_stages, default=0) if exporter else stage_params
+    return (stage * e, stage * e) if stage else ()
+
+
+def gradients_kept_after_step(cfg: RunConfig) -> bool:
+    """Whether the gradients outlive the optimizer step (what the export finds): the engine's ``zero_grad`` sets
+    them to None after each step (engine.py ``_take_model_step``; FP16_Optimizer's; stage_1_and_2.py's, which
+    also drops the averaged gradients and the fp32 partition's); BF16_Optimizer keeps its fp32 gradients, zeroed,
+    and ZeRO-3 its partitioned gradient buffer."""
+    return cfg.zero.stage == 3 or (cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16)
 
 
 def export_bytes(cfg: RunConfig, params: int) -> int:

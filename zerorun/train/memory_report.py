@@ -53,12 +53,13 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
 
 def rank_figures(estimate: Mapping[str, Any], rank: int, stage: Optional[int] = None):
     """(point, bound) the gate gave one rank: its pipeline stage's figures for a pipeline; global rank 0 writes
-    the export, the other ranks peak in training (other_ranks_*). Pure."""
+    the export (and in a pipeline each stage's first replica sends its stage: ``exporting_rank``), the other ranks
+    peak in training (other_ranks_*). Pure."""
     est = estimate
     if stage is not None and stage >= 0 and estimate.get("pipeline_stages"):
         est = estimate["pipeline_stages"][stage]
     point, bound = est.get("per_rank_peak_bytes"), est.get("per_rank_bound_bytes")
-    if rank != 0 and est.get("other_ranks_peak_bytes"):
+    if rank != est.get("exporting_rank", 0) and est.get("other_ranks_peak_bytes"):
         point, bound = est["other_ranks_peak_bytes"], est.get("other_ranks_bound_bytes", bound)
     return point, bound
 
