@@ -78,8 +78,14 @@ def norm_span_freed(cfg: RunConfig, plan: Plan, act: Activations) -> int:
     logits block, an MLP-wide activation, one layer's saved tensors freed together (``layer_span``), or, where
     attention materialises them, a score block and its probabilities, allocated and freed side by side. Not the
     gradient of the largest parameter (``largest_freed_block``): the embedding's is freed after its norm."""
+    return max(fp32_logits_block(act), layer_span_freed(cfg, plan, act))
+
+
+def layer_span_freed(cfg: RunConfig, plan: Plan, act: Activations) -> int:
+    """The largest span one layer's blocks leave free: an MLP-wide activation, its saved tensors freed together
+    (``layer_span``), or a score block beside its probabilities, allocated and freed side by side."""
     mlp, scores = layer_blocks(cfg, plan, act)
-    return max(fp32_logits_block(act), mlp, 2 * scores, layer_span(act))
+    return max(mlp, 2 * scores, layer_span(act))
 
 
 def layer_span(act: Activations) -> int:
@@ -116,31 +122,28 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
     return [total // n] * n if total else []
 
 
-def spans_taken(spans: List[int], state_blocks: List[int]) -> List[int]:
-    """Which freed spans (their indices in ``spans``) the state blocks take, each block placed best fit as it is
-    created (what is left of a span stays free for the next)."""
-    left, taken = list(spans), []
-    for b in state_blocks:
+def best_fit(spans: List[int], blocks: Sequence[int]) -> Tuple[List[int], int]:
+    """Each block placed best fit in turn among the freed ``spans`` (what is left of a span stays free for the
+    next): the indices of the spans a block took first, and the bytes no span held (what grows the heap)."""
+    left, taken, unplaced = list(spans), [], 0
+    for b in blocks:
+        if b <= 0:
+            continue
         fits = [i for i, s in enumerate(left) if s >= b]
-        if b <= 0 or not fits:
+        if not fits:
+            unplaced += b
             continue
         best = min(fits, key=lambda i: left[i])
         if left[best] == spans[best]:
             taken.append(best)
         left[best] -= b
-    return taken
+    return taken, unplaced
 
 
-def unplaced_bytes(spans: List[int], blocks: Sequence[int]) -> int:
-    """The bytes of ``blocks`` that no span holds, each placed best fit in turn (what grows the heap)."""
-    left, grown = list(spans), 0
-    for b in blocks:
-        fits = [i for i, s in enumerate(left) if s >= b]
-        if fits:
-            left[min(fits, key=lambda i: left[i])] -= b
-        else:
-            grown += b
-    return grown
+def spans_taken(spans: List[int], state_blocks: List[int]) -> List[int]:
+    """Which freed spans (their indices in ``spans``) the state blocks take, each placed best fit as it is
+    created."""
+    return best_fit(spans, state_blocks)[0]
 
 
 def logits_spans_taken(block: int, state_blocks: List[int], count: int = 3) -> int:
@@ -189,15 +192,14 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
         after_startup = startup + flat + sum(b for b in lazy if b > freed)
     held = max(max(live.values(), default=0), activation_peak + flat, at_loss, at_norm, after_startup)
     # The export's pickles, after training: the spans still free then are the step's flat blocks (as many as its
-    # transient holds), the largest gradient's, the loss's and each layer's largest (norm_span_freed's, per layer).
+    # transient holds), the largest gradient's, the loss's and each layer's largest (``layer_span_freed``, per layer).
     # Sampled (GPT-2 small, 2 stages, fp32): each rank's heap grew by one 309.5 MiB pickle, the other took the
     # 312.5 MiB span of the all-reduce buffer; rank 0 then held 39 MiB beyond its live bytes. MiniLM's 41 MiB
     # pickles (2 stages, micro 8 x 288) grew nothing: each layer freed a 32 MiB score block beside its probabilities.
     one_step = step_block(cfg, plan, partition, largest_trainable)
-    mlp, scores = layer_blocks(cfg, plan, act)
     spans = [all_reduce, *[one_step] * max(1, step // max(1, one_step)), 4 * largest_trainable,
-             *[logits_block] * act.loss_spans, *[max(mlp, 2 * scores, layer_span(act))] * act.num_layers]
-    exported = held + unplaced_bytes(spans, export_blocks) if "export" in phases else 0
+             *[logits_block] * act.loss_spans, *[layer_span_freed(cfg, plan, act)] * act.num_layers]
+    exported = held + best_fit(spans, export_blocks)[1] if "export" in phases else 0
     return max(0, held - alloc_peak, exported - alloc_peak)
 
 
