@@ -22,6 +22,10 @@ moments that happens in a steady training step:
   the forward splits their freed spans into activation-sized pieces: the first step's blocks larger than any freed
   block (the flat transient, the lazily created states) grow the heap on top of it (GPT-2 small ZeRO-1 bf16 SGD,
   one rank, micro 5 × 176: start-up 2,195 MiB with 1,342 live, then 3 × 475 MiB at the step; −19.0% before);
+- at ZeRO-0 in 16-bit a client optimizer's wrapper (FP16_UnfusedOptimizer) runs a whole step at start-up: the heap
+  holds the step's live bytes from there, and where the forward's activations and the 16-bit gradients leave none
+  of the spans that step freed whole, the all-reduce buffer grows it (GPT-2 small, bf16, AdamW8bit, micro 13 × 112:
+  +237 MiB with 1,028 free; −14.8% before);
 - after training, a pipeline's export: its whole-stage pickles land on the heap training left, and each that no
   span still free holds grows it (GPT-2 small, 2 stages, fp32: one 309.5 MiB pickle per rank; −13.6% before).
 
@@ -35,11 +39,12 @@ from typing import List, Mapping, Sequence, Tuple
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
-from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_swapped
+from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_swapped, unfused_startup_step
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): phases.py's step_phases names
 ALL_REDUCE_BUFFER = ("all-reduce", "all-reduce flatten buffer")
+GRADIENTS = "gradients"
 
 
 def phase_item(phases: Mapping[str, Mapping[str, int]], where) -> int:
@@ -190,6 +195,8 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     if lazy:  # ZeRO: the step's blocks larger than any freed one on top of the start-up's heap
         startup = startup_heap(cfg, plan, built_params, partition, largest_trainable)
         after_startup = startup + flat + sum(b for b in lazy if b > freed)
+    if unfused_startup_step(cfg, plan):
+        after_startup = unfused_startup_heap(phases, live, all_reduce)
     held = max(max(live.values(), default=0), activation_peak + flat, at_loss, at_norm, after_startup)
     # The export's pickles, after training: the spans still free then are the step's flat blocks (as many as its
     # transient holds), the largest gradient's, the loss's and each layer's largest (``layer_span_freed``, per layer).
@@ -201,6 +208,24 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
              *[logits_block] * act.loss_spans, *[layer_span_freed(cfg, plan, act)] * act.num_layers]
     exported = held + best_fit(spans, export_blocks)[1] if "export" in phases else 0
     return max(0, held - alloc_peak, exported - alloc_peak)
+
+
+def unfused_startup_heap(phases: Mapping[str, Mapping[str, int]], live: Mapping[str, int], all_reduce: int) -> int:
+    """The heap FP16_UnfusedOptimizer's start-up step leaves (states.unfused_startup_step), and the all-reduce
+    buffer on top where the training step's blocks leave it no span. That step held what a training step holds
+    (the 16-bit and fp32 gradients, the states, the step's temporaries) with no activation, so the heap is the
+    step's live bytes, and what it frees (the gradients and the temporaries) is what training's blocks land in.
+    The forward's activations, the backward's 16-bit gradients among them and then the all-reduce buffer need
+    that room at once; where they need more, no freed span is left whole for the buffer and it grows the heap.
+    Logged (bigalloc), GPT-2 small, bf16, AdamW8bit, micro 13 x 112, 2 ranks: 2,265 MiB at start-up (the step's
+    live bytes: 2,414), then +237 MiB at the first all-reduce with 1,028 MiB free in smaller spans (activations
+    1,032 MiB, gradients 237, buffer 237 against 1,447 freed); with checkpointing (micro 3 x 416, SGD, activations
+    247 MiB) the buffer found its span (the heap grew 196 MiB at the first step, the rank read -2.0% without it)."""
+    stepping, grads = live.get(STEP_TRANSIENT[0], 0), phase_item(phases, (STEP_TRANSIENT[0], GRADIENTS))
+    static = stepping - phase_item(phases, STEP_TRANSIENT) - grads  # what training holds throughout
+    activations = max((live[p] - static - phase_item(phases, (p, GRADIENTS)) for p in ACTIVATION_PHASES if p in live),
+                      default=0)
+    return stepping + (all_reduce if activations + grads + all_reduce > stepping - static else 0)
 
 
 def placement_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mapping[str, Mapping[str, int]],

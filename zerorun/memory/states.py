@@ -287,8 +287,7 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     dtype = Dtype(cfg.precision.dtype)
     g = DTYPE_BYTES[dtype]
     P, stage = bd.trainable, cfg.zero.stage  # the optimizer sees the trainable parameters only
-    unfused = plan.optimizer in (OptimizerImpl.torch_adamw, OptimizerImpl.bnb_adamw8bit, OptimizerImpl.torch_sgd) \
-        and plan.world.accelerator == "cpu"
+    unfused = unfused_client_optimizer(plan)
     overflow = 4 * min(bd.largest_trainable, part if stage >= 2 else bd.largest_trainable) if dtype == Dtype.fp16 else 0
     if stage == 0:
         if dtype == Dtype.fp32:
@@ -310,6 +309,21 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     # grad itself); ZeRO-3's flat gradient buffer stays (measured on CPU).
     fp32_grad = sub * 4 - (sub * g if stage < 3 else 0)
     return max(convert, fp32_grad + adam) + overflow
+
+
+def unfused_client_optimizer(plan: Plan) -> bool:
+    """A client optimizer of a CPU rank (torch AdamW, SGD, AdamW8bit): at ZeRO-0 in 16-bit DeepSpeed wraps it in
+    FP16_UnfusedOptimizer (engine.py ``_do_optimizer_sanity_check``), which steps each fp32 master tensor on its own."""
+    return plan.optimizer in (OptimizerImpl.torch_adamw, OptimizerImpl.bnb_adamw8bit, OptimizerImpl.torch_sgd) \
+        and plan.world.accelerator == "cpu"
+
+
+def unfused_startup_step(cfg: RunConfig, plan: Plan) -> bool:
+    """FP16_UnfusedOptimizer's ``initialize_optimizer_states`` (unfused_optimizer.py) runs a whole step at
+    start-up, on zero gradients of every parameter in 16-bit and in fp32: a ZeRO-0 16-bit run with a client
+    optimizer on a CPU rank, not a bf16 pipeline (BF16_Optimizer)."""
+    return cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) != Dtype.fp32 and unfused_client_optimizer(plan) \
+        and not (plan.pipeline and Dtype(cfg.precision.dtype) == Dtype.bf16)
 
 
 def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
