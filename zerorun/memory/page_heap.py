@@ -8,9 +8,11 @@ moments that happens in a steady training step:
 - the optimizer step's flat blocks (ZeRO's fp32 gradient partition, the optimizer's partition-sized temporaries,
   ZeRO-0's all-reduce buffer) are allocated right after backward freed the activations, whose spans are too small
   for them: GPT-2 small's heap grew by 2 × 475 MiB there while 1.2 GiB of it was free. So the heap holds the
-  activation phases' peak and the step's flat blocks at once, unless a freed activation block can hold one
-  (MiniLM's attention scores hold its 45 MiB partition), or, without checkpointing, one layer's saved tensors
-  freed together (``layer_span``: MiniLM at micro 6 x 272 read +28.9% before, -2.6% with it);
+  activation phases' peak and the step's flat blocks at once, but for those a freed span holds, placed best fit
+  one by one: a layer's (MiniLM's attention scores hold its 45 MiB partition; without checkpointing one layer's
+  saved tensors freed together, ``layer_span``: MiniLM at micro 6 x 272 read +28.9% before, -2.6% with it; under
+  checkpointing one span, each layer's recomputation taking again what the last freed), a logits block's, the
+  largest gradient's or the largest parameter's as built (MiniLM ZeRO-1 AdamW8bit: five 43 MiB blocks, one span);
 - at the loss, the fp32 logits blocks (three of b·s·V) outgrow what the 16-bit logits freed: one more of them;
   and more where the optimizer took their spans: ZeRO-1/2/3 create the optimizer's states of the flat partition at
   the first step, after the first loss freed its logits blocks, and a state block no larger than one of them is
@@ -39,7 +41,8 @@ from typing import List, Mapping, Sequence, Tuple
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
-from .states import DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_swapped, unfused_startup_step
+from .states import (DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_step_bytes, optimizer_swapped,
+                     unfused_startup_step)
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): phases.py's step_phases names
@@ -93,6 +96,13 @@ def layer_span_freed(cfg: RunConfig, plan: Plan, act: Activations) -> int:
     return max(mlp, 2 * scores, layer_span(act))
 
 
+def freed_layer_spans(cfg: RunConfig, plan: Plan, act: Activations) -> List[int]:
+    """The spans the layers' blocks leave free after backward: one per layer (``layer_span_freed``), each layer's
+    forward having allocated its own; under checkpointing one, each layer's recomputation taking again the span
+    the one before freed."""
+    return [layer_span_freed(cfg, plan, act)] * (min(1, act.num_layers) if act.checkpointing else act.num_layers)
+
+
 def layer_span(act: Activations) -> int:
     """The free span one layer's backward leaves: the tensors its forward saved were allocated one after another
     and are freed together, and at release rate 0 tcmalloc coalesces neighbouring free spans
@@ -113,6 +123,30 @@ def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: in
     if cfg.zero.stage >= 1 or bf16_optimizer_pipeline(cfg, plan):
         return 4 * min(partition, DS_SUB_GROUP_SIZE)
     return 4 * largest_trainable
+
+
+def spans_at_step(cfg: RunConfig, plan: Plan, act: Activations, largest_trainable: int) -> List[int]:
+    """The spans free when the optimizer step allocates its blocks, after backward: the loss's fp32 logits blocks,
+    the layers' (``freed_layer_spans``), the largest parameter's gradient (ZeRO frees it once in a bucket or the
+    partition) and, but at ZeRO-0 in fp32, the largest parameter as built in fp32, which start-up freed (ZeRO
+    flattens or partitions the parameters, a 16-bit run casts them)."""
+    built = 4 * largest_trainable if cfg.zero.stage >= 1 or Dtype(cfg.precision.dtype) != Dtype.fp32 else 0
+    return [*[fp32_logits_block(act)] * act.loss_spans, *freed_layer_spans(cfg, plan, act),
+            largest_trainable * DTYPE_BYTES[Dtype(cfg.precision.dtype)], built]
+
+
+def step_blocks(cfg: RunConfig, plan: Plan, step: int, one_step: int, largest_trainable: int) -> List[int]:
+    """The optimizer step's large blocks, each ``one_step`` bytes (``step_block``): under ZeRO (and BF16_Optimizer)
+    its transient is flat blocks of the partition; at ZeRO-0 the optimizer's temporaries over the largest tensor,
+    and in 16-bit that tensor's fp32 gradient (FP16_UnfusedOptimizer makes one per tensor; logged, GPT-2 small with
+    AdamW8bit: six 147 MiB blocks, its word embedding's gradient and bitsandbytes' five)."""
+    if not step or not one_step:
+        return []
+    if cfg.zero.stage >= 1 or bf16_optimizer_pipeline(cfg, plan):
+        n = step // one_step  # and what is left: the 16-bit partition's copy a 16-bit step upcasts
+        return [one_step] * n + ([step - n * one_step] if step > n * one_step else []) if n else [step]
+    n = optimizer_step_bytes(plan, largest_trainable) // one_step + (1 if unfused_startup_step(cfg, plan) else 0)
+    return [one_step] * n
 
 
 def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
@@ -172,7 +206,13 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     activation_peak = max((live[p] for p in ACTIVATION_PHASES if p in live), default=0)
     freed = max(largest_freed_block(cfg, plan, act, largest_trainable), layer_span(act))
     step, all_reduce = phase_item(phases, STEP_TRANSIENT), phase_item(phases, ALL_REDUCE_BUFFER)
-    flat = max(step if step_block(cfg, plan, partition, largest_trainable) > freed else 0,
+    # The step's blocks, placed best fit in the spans backward left: those none holds grow the heap above the
+    # activations' peak. Logged (bigalloc), MiniLM, ZeRO-1, fp32, AdamW8bit, micro 2 x 256, 2 ranks: the step's five
+    # 43.3 MiB blocks found one 44.7 MiB span and grew the heap by the other four (-11.9% before, when one block
+    # that fits the largest span meant all of them did).
+    one_step = step_block(cfg, plan, partition, largest_trainable)
+    flat = max(best_fit(spans_at_step(cfg, plan, act, largest_trainable),
+                        step_blocks(cfg, plan, step, one_step, largest_trainable))[1],
                all_reduce if all_reduce > freed else 0)
     logits_block = fp32_logits_block(act)
     lazy = lazy_state_blocks(cfg, plan, partition)
@@ -205,7 +245,7 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     # pickles (2 stages, micro 8 x 288) grew nothing: each layer freed a 32 MiB score block beside its probabilities.
     one_step = step_block(cfg, plan, partition, largest_trainable)
     spans = [all_reduce, *[one_step] * max(1, step // max(1, one_step)), 4 * largest_trainable,
-             *[logits_block] * act.loss_spans, *[layer_span_freed(cfg, plan, act)] * act.num_layers]
+             *[logits_block] * act.loss_spans, *freed_layer_spans(cfg, plan, act)]
     exported = held + best_fit(spans, export_blocks)[1] if "export" in phases else 0
     return max(0, held - alloc_peak, exported - alloc_peak)
 
