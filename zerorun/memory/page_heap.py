@@ -199,7 +199,8 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     ``norm_block`` (the fp64 copy the embedding gradient's norm is taken of on this rank,
     buffers.embedding_norm_block), twice where a state took its span, where no span the activations freed holds it;
     or, at ZeRO-1/2/3, the start-up's heap (``built_params``: the model build_model() makes first) under the
-    step's. After training, the export (``export_blocks``: its whole-stage pickles) lands on the heap
+    step's; or, where FP16_UnfusedOptimizer steps at start-up, that step's heap (``unfused_startup_heap``). After
+    training, the export (``export_blocks``: its whole-stage pickles) lands on the heap
     training left: a block no freed span holds grows it.
     """
     live = {name: sum(items.values()) for name, items in phases.items() if name != "export"}
@@ -243,7 +244,6 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     # Sampled (GPT-2 small, 2 stages, fp32): each rank's heap grew by one 309.5 MiB pickle, the other took the
     # 312.5 MiB span of the all-reduce buffer; rank 0 then held 39 MiB beyond its live bytes. MiniLM's 41 MiB
     # pickles (2 stages, micro 8 x 288) grew nothing: each layer freed a 32 MiB score block beside its probabilities.
-    one_step = step_block(cfg, plan, partition, largest_trainable)
     spans = [all_reduce, *[one_step] * max(1, step // max(1, one_step)), 4 * largest_trainable,
              *[logits_block] * act.loss_spans, *freed_layer_spans(cfg, plan, act)]
     exported = held + best_fit(spans, export_blocks)[1] if "export" in phases else 0
