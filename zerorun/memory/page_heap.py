@@ -41,8 +41,8 @@ from typing import List, Mapping, Sequence, Tuple
 
 from ..config import Dtype, OptimizerImpl, Plan, RunConfig
 from .activations import DTYPE_BYTES, LOSS_BYTES_PER_LOGIT, Activations
-from .states import (DS_SUB_GROUP_SIZE, optimizer_state_bytes, optimizer_step_bytes, optimizer_swapped,
-                     unfused_startup_step)
+from .states import (DS_SUB_GROUP_SIZE, bf16_optimizer_pipeline, optimizer_state_bytes, optimizer_step_bytes,
+                     optimizer_swapped, unfused_startup_step)
 
 ACTIVATION_PHASES = ("loss", "backward", "embedding grad")
 STEP_TRANSIENT = ("optimizer step", "optimizer-step transient")  # (phase, item): phases.py's step_phases names
@@ -112,11 +112,6 @@ def layer_span(act: Activations) -> int:
     return act.per_layer if act.num_layers > 0 and not act.checkpointing else 0
 
 
-def bf16_optimizer_pipeline(cfg: RunConfig, plan: Plan) -> bool:
-    """A bf16 pipeline at ZeRO-0: DeepSpeed steps it with BF16_Optimizer, on a flat partition as ZeRO-1/2 do."""
-    return bool(plan.pipeline) and cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16
-
-
 def step_block(cfg: RunConfig, plan: Plan, partition: int, largest_trainable: int) -> int:
     """The size of one flat block of the optimizer step: this rank's fp32 partition (a ZeRO-3 sub-group), or under
     ZeRO-0 one tensor's fp32 gradient (BF16_Optimizer's pipeline path flattens the whole partition)."""
@@ -143,8 +138,11 @@ def step_blocks(cfg: RunConfig, plan: Plan, step: int, one_step: int, largest_tr
     if not step or not one_step:
         return []
     if cfg.zero.stage >= 1 or bf16_optimizer_pipeline(cfg, plan):
-        n = step // one_step  # and what is left: the 16-bit partition's copy a 16-bit step upcasts
-        return [one_step] * n + ([step - n * one_step] if step > n * one_step else []) if n else [step]
+        n = step // one_step
+        if not n:
+            return [step]
+        rest = step - n * one_step  # the 16-bit partition's copy a 16-bit step upcasts
+        return [one_step] * n + ([rest] if rest else [])
     n = optimizer_step_bytes(plan, largest_trainable) // one_step + (1 if unfused_startup_step(cfg, plan) else 0)
     return [one_step] * n
 

@@ -202,7 +202,7 @@ def model_states(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, swap_element_by
 
     states = [("fp32 master copies", tpart * MASTER_BYTES),
               ("optimizer states", optimizer_state_bytes(cfg, plan, tpart))]
-    if stage == 0 and dtype == Dtype.bf16 and plan.pipeline:
+    if bf16_optimizer_pipeline(cfg, plan):
         # A bf16 pipeline at ZeRO-0 gets BF16_Optimizer (engine.py _do_optimizer_sanity_check): the 16-bit
         # param.grad stay next to a flat accumulation buffer in grad_accum_dtype (bf16 by default), and the
         # fp32 master and Adam states are partitioned over the stage's data-parallel group (measured).
@@ -292,7 +292,7 @@ def step_transient(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, part: int) ->
     if stage == 0:
         if dtype == Dtype.fp32:
             return optimizer_step_bytes(plan, bd.largest_trainable)
-        if dtype == Dtype.bf16 and plan.pipeline:
+        if bf16_optimizer_pipeline(cfg, plan):
             # BF16_Optimizer (bf16_optimizer.py step): the flat 16-bit grad partition upcast to fp32, then the
             # optimizer steps that one flat fp32 partition, not tensor by tensor (measured: GPT-2 small, 2
             # stages, live tensors 331 MiB above a count that took the largest tensor).
@@ -323,7 +323,13 @@ def unfused_startup_step(cfg: RunConfig, plan: Plan) -> bool:
     start-up, on zero gradients of every parameter in 16-bit and in fp32: a ZeRO-0 16-bit run with a client
     optimizer on a CPU rank, not a bf16 pipeline (BF16_Optimizer)."""
     return cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) != Dtype.fp32 and unfused_client_optimizer(plan) \
-        and not (plan.pipeline and Dtype(cfg.precision.dtype) == Dtype.bf16)
+        and not bf16_optimizer_pipeline(cfg, plan)
+
+
+def bf16_optimizer_pipeline(cfg: RunConfig, plan: Plan) -> bool:
+    """A bf16 pipeline at ZeRO-0: DeepSpeed steps it with BF16_Optimizer (engine.py ``_do_optimizer_sanity_check``),
+    on a flat partition as ZeRO-1/2 do."""
+    return bool(plan.pipeline) and cfg.zero.stage == 0 and Dtype(cfg.precision.dtype) == Dtype.bf16
 
 
 def checkpoint_bytes(cfg: RunConfig, plan: Plan, params: int) -> int:
