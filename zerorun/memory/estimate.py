@@ -23,7 +23,7 @@ from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations, with_fused_loss
-from .buffers import backward_buffers, embedding_norm_block
+from .buffers import backward_buffers, embedding_norm_block, other_rank, zero_partition
 from .params import ParamBreakdown, model_key, param_breakdown
 from .phases import Phase, step_phases
 from .page_heap import page_heap_bytes, placement_bytes
@@ -214,14 +214,18 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     phases = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, export=export)
     est = against_capacity(cfg, plan, hw, cal, bd, act, states, phases, bwd.notes, built_params,
                            export_blocks=export_pickle_blocks(cfg, plan, bd.total, exporter, other_stages))
-    # The other ranks: only global rank 0 exports, and under ZeRO-1/2 only rank 0 holds the word embedding's
-    # gradient norm (rank 1 holds what is left of it, the most any other rank holds).
-    others_norm = plan.data_parallel_size > 1 and \
-        embedding_norm_block(cfg, plan, bd, rank=1) != embedding_norm_block(cfg, plan, bd)
-    if est.peak_phase == "export" or others_norm:
-        rest = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, rank=1) if others_norm else \
+    # The other ranks: only global rank 0 exports, and under ZeRO-1/2 ranks differ in the tensors their partition
+    # holds whole (buffers.zero_partition; other_rank: the largest of the others), and only rank 0 holds the word
+    # embedding's gradient norm with offload (rank 1 holds what is left of it, the most any other rank holds).
+    ranks = plan.data_parallel_size
+    zero12 = cfg.zero.stage in (1, 2) and not plan.offload_optimizer
+    other = other_rank(bd, ranks) if zero12 else 1
+    differ = ranks > 1 and (embedding_norm_block(cfg, plan, bd, rank=other) != embedding_norm_block(cfg, plan, bd)
+                            or zero12 and zero_partition(bd, ranks, other) != zero_partition(bd, ranks, 0))
+    if est.peak_phase == "export" or differ:
+        rest = rank_phases(cfg, plan, cal, bd, act, states, bwd, built_params, rank=other) if differ else \
             OrderedDict((k, v) for k, v in phases.items() if k != "export")
-        rest_est = against_capacity(cfg, plan, hw, cal, bd, act, states, rest, [], built_params, rank=1)
+        rest_est = against_capacity(cfg, plan, hw, cal, bd, act, states, rest, [], built_params, rank=other)
         est = dataclasses.replace(est, others_peak_bytes=rest_est.per_rank_peak_bytes,
                                   others_bound_bytes=rest_est.bound_bytes)
     return est
