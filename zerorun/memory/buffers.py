@@ -203,6 +203,12 @@ class ZeroPartition:
     block on rank 0 at each step, its 11.36 M-element slice of the word embedding)."""
 
 
+def partitioned_on_device(cfg: RunConfig, plan: Plan) -> bool:
+    """ZeRO-1/2 with the optimizer on the device: where a rank's gradient partition and the step's norms follow
+    ``zero_partition`` (with offload the partition is the host's fp32 buffer and the norms are taken in backward)."""
+    return cfg.zero.stage in (1, 2) and not plan.offload_optimizer
+
+
 def zero_partition(bd: ParamBreakdown, ranks: int, rank: int) -> ZeroPartition:
     """Data-parallel ``rank``'s ZeRO-1/2 partition of ``bd``'s trainable tensors (``partition_of``)."""
     return partition_of(trainable_tensors(bd), ranks, rank)

@@ -23,7 +23,7 @@ from ..hardware import GIB, Hardware
 from .bound import term_widths, upper_bound
 from ..arch import layer_linears, lora_targets
 from .activations import DTYPE_BYTES, Activations, activations, with_fused_loss
-from .buffers import backward_buffers, embedding_norm_block, other_rank, zero_partition
+from .buffers import backward_buffers, embedding_norm_block, other_rank, partitioned_on_device, zero_partition
 from .params import ParamBreakdown, model_key, param_breakdown
 from .phases import Phase, step_phases
 from .page_heap import page_heap_bytes, placement_bytes
@@ -218,7 +218,7 @@ def rank_estimate(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration, bd
     # holds whole (buffers.zero_partition; other_rank: the largest of the others), and only rank 0 holds the word
     # embedding's gradient norm with offload (rank 1 holds what is left of it, the most any other rank holds).
     ranks = plan.data_parallel_size
-    zero12 = cfg.zero.stage in (1, 2) and not plan.offload_optimizer
+    zero12 = partitioned_on_device(cfg, plan)
     other = other_rank(bd, ranks) if zero12 else 1
     differ = ranks > 1 and (embedding_norm_block(cfg, plan, bd, rank=other) != embedding_norm_block(cfg, plan, bd)
                             or zero12 and zero_partition(bd, ranks, other) != zero_partition(bd, ranks, 0))

@@ -8,7 +8,8 @@ from collections import OrderedDict
 
 from ..config import Dtype, Plan, RunConfig
 from .activations import DTYPE_BYTES, Activations
-from .buffers import FP64_NORM_BYTES, embedding_grad_transient, first_reduce, zero0_flatten_bytes, zero_partition
+from .buffers import (FP64_NORM_BYTES, embedding_grad_transient, first_reduce, partitioned_on_device,
+                      zero0_flatten_bytes, zero_partition)
 from .params import ParamBreakdown
 from .priors import Calibration
 from .states import ModelStates, phase, step_transient
@@ -25,8 +26,7 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
     largest norm the step takes, and in the share of the word embedding's gradient norm they take)."""
     stage, g = cfg.zero.stage, DTYPE_BYTES[Dtype(cfg.precision.dtype)]
     part, persistent = states.partition, states.device
-    zero12 = stage in (1, 2) and not plan.offload_optimizer
-    held = zero_partition(bd, plan.data_parallel_size, rank) if zero12 else None
+    held = zero_partition(bd, plan.data_parallel_size, rank) if partitioned_on_device(cfg, plan) else None
     if held and cfg.zero.contiguous_gradients and "gradients" in persistent:
         # The gradient partition holds every tensor that overlaps this rank's share whole (zero_partition)
         persistent = OrderedDict(persistent)
