@@ -49,13 +49,7 @@ def allocation_events(config: dict, task: str, batch: int, seq: int, dtype: torc
     model = T._meta_model(config["model_type"], fields, task, 2)
     if lora:
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # peft imports it; its 4-bit kernels are not used
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        with torch.device("meta"):
-            model = get_peft_model(model, LoraConfig(r=lora[1], lora_alpha=2 * lora[1], lora_dropout=0.05,
-                                                     target_modules=lora[0],
-                                                     task_type=TaskType.CAUSAL_LM if task == "causal_lm"
-                                                     else TaskType.SEQ_CLS))
+        model = T.with_lora(model, task, (tuple(lora[0]), lora[1], 0.05))  # adapter.dropout's default
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves

@@ -326,6 +326,19 @@ def trace_point(model_type: str, fields: Dict[str, Any], task: str, num_labels: 
                       d["transient"])
 
 
+def with_lora(meta_model, task: str, lora: Tuple[Tuple[str, ...], int, float]):
+    """``meta_model`` under LoRA adapters (targets, r, dropout) as peft builds them, the base frozen, on the meta
+    device (alpha scales the update only: it changes no shape)."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets, r, lora_dropout = lora
+    with torch.device("meta"):
+        return get_peft_model(meta_model, LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=list(targets),
+            task_type=TaskType.CAUSAL_LM if task == "causal_lm" else TaskType.SEQ_CLS))
+
+
 def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_cache, lora, dropout_off):
     import itertools
     import warnings
@@ -337,13 +350,7 @@ def _trace(model_type, fields, task, num_labels, layers, batch, seq, dtype, no_c
     cfg = model.config
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
     if lora is not None:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        targets, r, lora_dropout = lora
-        with torch.device("meta"):
-            model = get_peft_model(model, LoraConfig(
-                r=r, lora_alpha=2 * r, lora_dropout=lora_dropout, target_modules=list(targets),
-                task_type=TaskType.CAUSAL_LM if task == "causal_lm" else TaskType.SEQ_CLS))
+        model = with_lora(model, task, lora)
     sizes: Dict[int, int] = {}
     alive: List[Any] = []  # every storage keyed by address lives to the end: a freed one's address is reused
 
