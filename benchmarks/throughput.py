@@ -124,6 +124,7 @@ VARIANTS = {
     "glibc-mmap32": ["launcher.allocator=glibc", "launcher.mmap_threshold_mib=32"],
     "fused-loss": ["trainer.fused_loss=true"],  # the head and loss a chunk of tokens at a time
     "stock-dropout": ["trainer.fast_dropout_masks=false"],  # PyTorch's serial CPU bernoulli_ for the masks
+    "mkl-fast-mm": ["launcher.mkl_fast_mm=true"],  # MKL keeps its GEMM buffers (tcmalloc ranks free them per call)
     # GPU ranks: what zerorun sets that the hand-written loop does not (the suspects of its 0.89x on an H200)
     "fixed-segments": ["launcher.expandable_segments=false"],
     "ds-buckets": ["zero.reduce_bucket_size=500000000", "zero.allgather_bucket_size=500000000"],

@@ -174,20 +174,27 @@ def concrete(launcher_cfg, accelerator: str = "cpu") -> Allocator:
     return Allocator.glibc if name == Allocator.auto else name
 
 
-def rank_env_args(launcher_cfg, accelerator: str = "cpu") -> Dict[str, str]:
+def rank_env_args(launcher_cfg, accelerator: str = "cpu") -> Dict[str, object]:
     """launcher.rank_env's allocator arguments for a config (the probes run what the ranks will): auto resolved
     on this node."""
     name = Allocator(launcher_cfg.allocator)
     if name == Allocator.auto:
         name = resolve(name, os.environ, gpu_ranks=accelerator != "cpu").name
-    return {"allocator": name.value, "allocator_library": library_for(name)}
+    return {"allocator": name.value, "allocator_library": library_for(name), "mkl_fast_mm": launcher_cfg.mkl_fast_mm}
+
+
+def mkl_buffers_kept(launcher_cfg) -> bool:
+    """Whether MKL keeps its GEMM buffers on tcmalloc ranks (launcher.mkl_fast_mm; an MKL_DISABLE_FAST_MM you set
+    turns it off whatever the config says)."""
+    return bool(launcher_cfg.mkl_fast_mm) and "MKL_DISABLE_FAST_MM" not in os.environ
 
 
 def memory_mode(launcher_cfg, mmap_threshold: int) -> str:
     """What a CPU rank's allocator does with freed memory, for the keys measurements are stored under."""
     name = concrete(launcher_cfg)
     if name == Allocator.tcmalloc:  # what it returns to the OS decides its heap: yours, else TCMALLOC_ENV's
-        return f"tcmalloc-release{os.environ.get('TCMALLOC_RELEASE_RATE', TCMALLOC_ENV['TCMALLOC_RELEASE_RATE'])}"
+        rate = os.environ.get('TCMALLOC_RELEASE_RATE', TCMALLOC_ENV['TCMALLOC_RELEASE_RATE'])
+        return f"tcmalloc-release{rate}-mklmm{int(mkl_buffers_kept(launcher_cfg))}"
     return f"mmap{mmap_threshold}" if name == Allocator.glibc else name.value
 
 

@@ -287,7 +287,7 @@ def _launch_plan(cfg: RunConfig, plan: Plan, run_dir: RunDir, hw: Hardware) -> l
         master_port=la.master_port or launcher.free_port(), hostfile=la.hostfile,
         threads_per_rank=hw.threads_per_rank(world.nproc_per_node), mmap_threshold=mmap_threshold_bytes(la.mmap_threshold_mib),
         expandable_segments=la.expandable_segments, allocator=Allocator(la.allocator).value,
-        allocator_library=allocators.library_for(Allocator(la.allocator)),
+        allocator_library=allocators.library_for(Allocator(la.allocator)), mkl_fast_mm=la.mkl_fast_mm,
         bin_dir=launcher.default_bin_dir(),
         stop_timeout_s=la.stop_timeout_s, rdzv=la.rdzv.value, rdzv_id=la.rdzv_id or cfg.name,
         min_nnodes=la.min_nnodes or 0,

@@ -31,6 +31,7 @@ class LaunchPlan:
     expandable_segments: bool = True
     allocator: str = "glibc"  # allocators.Resolved's name: what the ranks run
     allocator_library: str = ""  # the library preloaded for it ('' for glibc or a user's own LD_PRELOAD)
+    mkl_fast_mm: bool = False  # launcher.mkl_fast_mm
     bin_dir: str = ""  # where the venv's console scripts live; "" means PATH
     stop_timeout_s: int = 110  # torchrun: how long ranks may take to save after a stop signal
     rdzv: str = "static"  # torchrun: "static" | "c10d"
@@ -65,6 +66,8 @@ of experts routes a different number of tokens to each expert every step, so at 
 grew 590 -> 1,100 MiB over 8 steps (docs/memory.md §5.4). At 128: 592 MiB, the same tokens/s (7,910 against
 7,748); at 64 the MoE ran 0.92x, re-building kernels it still needed."""
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
+"""Any value turns MKL's buffer cache off (launcher.mkl_fast_mm): each GEMM frees its packing buffers."""
 
 
 def extensions_dir() -> str:
@@ -81,8 +84,8 @@ def extensions_dir() -> str:
 
 
 def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_MMAP_THRESHOLD,
-             expandable_segments: bool = True, allocator: str = "glibc", allocator_library: str = ""
-             ) -> Dict[str, str]:
+             expandable_segments: bool = True, allocator: str = "glibc", allocator_library: str = "",
+             mkl_fast_mm: bool = False) -> Dict[str, str]:
     """The environment every rank process starts with (also the calibration probes', so they measure the same).
     ``allocator``/``allocator_library``: allocators.resolve's choice (glibc's mmap settings apply to glibc only)."""
     from . import allocators
@@ -104,6 +107,10 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
         env.update({k: str(KERNEL_CACHE_ENTRIES) for k in KERNEL_CACHE_VARIABLES if k not in os.environ})
         if resolved.name == Allocator.glibc:  # glibc's MALLOC_* variables mean nothing to a preloaded malloc
             env.update(glibc_env(mmap_threshold))
+        # On tcmalloc MKL's cached GEMM buffers cut the activations' freed spans; freed per call they cost a page
+        # heap lookup. glibc at 1 MiB would page-fault them anew each call: there MKL keeps them.
+        if resolved.name == Allocator.tcmalloc and not mkl_fast_mm and MKL_FAST_MM_OFF not in os.environ:
+            env[MKL_FAST_MM_OFF] = "1"
     elif expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     return env
@@ -133,7 +140,7 @@ def build_command(plan: LaunchPlan) -> Tuple[List[str], Dict[str, str]]:
     append ``--local_rank=N`` (ranks read LOCAL_RANK from the environment).
     """
     env = rank_env(plan.accelerator, plan.threads_per_rank, plan.mmap_threshold, plan.expandable_segments,
-                   plan.allocator, plan.allocator_library)
+                   plan.allocator, plan.allocator_library, plan.mkl_fast_mm)
     if plan.launcher == "deepspeed":
         argv = [_exe(plan, "deepspeed")]
         if plan.hostfile:  # one launch for all nodes, over pdsh/ssh

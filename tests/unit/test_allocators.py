@@ -87,11 +87,33 @@ def test_the_memory_mode_key_follows_tcmallocs_release_rate(monkeypatch):
     """Measurements at tcmalloc's default release rate (a more fragmented heap) are not reused at zerorun's 0."""
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(allocator="tcmalloc")
+    cfg = SimpleNamespace(allocator="tcmalloc", mkl_fast_mm=False)
     monkeypatch.delenv("TCMALLOC_RELEASE_RATE", raising=False)
-    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release0"
+    monkeypatch.delenv("MKL_DISABLE_FAST_MM", raising=False)
+    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release0-mklmm0"
     monkeypatch.setenv("TCMALLOC_RELEASE_RATE", "1")
-    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release1"
+    assert allocators.memory_mode(cfg, 1 << 20) == "tcmalloc-release1-mklmm0"
+
+
+def test_tcmalloc_ranks_free_mkls_gemm_buffers_unless_asked_and_the_key_says_which(monkeypatch):
+    """MKL's cached GEMM buffers cut the activations' freed spans on tcmalloc (launcher.mkl_fast_mm): its ranks turn
+    the cache off, glibc's and GPU ranks leave it, an MKL_DISABLE_FAST_MM you set wins, and measurements taken with
+    the cache are stored apart from those without it."""
+    from types import SimpleNamespace
+
+    for var in ("LD_PRELOAD", "MKL_DISABLE_FAST_MM", "TCMALLOC_RELEASE_RATE"):
+        monkeypatch.delenv(var, raising=False)
+    tc = dict(allocator="tcmalloc", allocator_library=LIBS[Allocator.tcmalloc])
+    assert launcher.rank_env("cpu", 1, **tc)[launcher.MKL_FAST_MM_OFF] == "1"
+    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc, mkl_fast_mm=True)
+    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, 1 << 20)  # glibc: mmap'd anew each call
+    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cuda", 1, **tc)
+    kept = SimpleNamespace(allocator="tcmalloc", mkl_fast_mm=True)
+    assert allocators.memory_mode(kept, 1 << 20) == "tcmalloc-release0-mklmm1"
+    monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")  # yours: the cache is off whatever the config says
+    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc)
+    assert allocators.memory_mode(kept, 1 << 20) == "tcmalloc-release0-mklmm0"
+    assert allocators.rank_env_args(kept)["mkl_fast_mm"] is True  # the probes run what the ranks will
 
 
 def test_the_search_dirs_can_be_replaced(tmp_path, monkeypatch):
