@@ -183,10 +183,14 @@ def rank_env_args(launcher_cfg, accelerator: str = "cpu") -> Dict[str, object]:
     return {"allocator": name.value, "allocator_library": library_for(name), "mkl_fast_mm": launcher_cfg.mkl_fast_mm}
 
 
+MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
+"""Any value turns MKL's buffer cache off (launcher.mkl_fast_mm): each GEMM frees its packing buffers."""
+
+
 def mkl_buffers_kept(launcher_cfg) -> bool:
     """Whether MKL keeps its GEMM buffers on tcmalloc ranks (launcher.mkl_fast_mm; an MKL_DISABLE_FAST_MM you set
     turns it off whatever the config says)."""
-    return bool(launcher_cfg.mkl_fast_mm) and "MKL_DISABLE_FAST_MM" not in os.environ
+    return bool(launcher_cfg.mkl_fast_mm) and MKL_FAST_MM_OFF not in os.environ
 
 
 def memory_mode(launcher_cfg, mmap_threshold: int) -> str:

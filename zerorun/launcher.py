@@ -66,8 +66,6 @@ of experts routes a different number of tokens to each expert every step, so at 
 grew 590 -> 1,100 MiB over 8 steps (docs/memory.md §5.4). At 128: 592 MiB, the same tokens/s (7,910 against
 7,748); at 64 the MoE ran 0.92x, re-building kernels it still needed."""
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
-"""Any value turns MKL's buffer cache off (launcher.mkl_fast_mm): each GEMM frees its packing buffers."""
 
 
 def extensions_dir() -> str:
@@ -109,8 +107,8 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
             env.update(glibc_env(mmap_threshold))
         # On tcmalloc MKL's cached GEMM buffers cut the activations' freed spans; freed per call they cost a page
         # heap lookup. glibc at 1 MiB would page-fault them anew each call: there MKL keeps them.
-        if resolved.name == Allocator.tcmalloc and not mkl_fast_mm and MKL_FAST_MM_OFF not in os.environ:
-            env[MKL_FAST_MM_OFF] = "1"
+        if resolved.name == Allocator.tcmalloc and not mkl_fast_mm and allocators.MKL_FAST_MM_OFF not in os.environ:
+            env[allocators.MKL_FAST_MM_OFF] = "1"
     elif expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     return env

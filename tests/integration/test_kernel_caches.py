@@ -12,7 +12,7 @@ import pytest
 
 from zerorun import allocators
 from zerorun.config.schema import Allocator
-from zerorun.launcher import KERNEL_CACHE_VARIABLES, MKL_FAST_MM_OFF, rank_env
+from zerorun.launcher import KERNEL_CACHE_VARIABLES, rank_env
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_on_tcmalloc_mkl_frees_its_gemm_buffers_with_each_call():
     library = allocators.find_library(Allocator.tcmalloc)
     if not library:
         pytest.skip("tcmalloc is not installed (make system-deps)")
-    base = {k: v for k, v in os.environ.items() if k not in (MKL_FAST_MM_OFF, "LD_PRELOAD")}
+    base = {k: v for k, v in os.environ.items() if k not in (allocators.MKL_FAST_MM_OFF, "LD_PRELOAD")}
     ranks = {**base, **rank_env("cpu", 1, allocator="tcmalloc", allocator_library=library)}
     cached = {**base, **rank_env("cpu", 1, allocator="tcmalloc", allocator_library=library, mkl_fast_mm=True)}
     # measured: 0.01 MiB left allocated after the GEMMs against 20.2 with MKL's cache (its 4-6 MiB packing buffers)

@@ -104,14 +104,14 @@ def test_tcmalloc_ranks_free_mkls_gemm_buffers_unless_asked_and_the_key_says_whi
     for var in ("LD_PRELOAD", "MKL_DISABLE_FAST_MM", "TCMALLOC_RELEASE_RATE"):
         monkeypatch.delenv(var, raising=False)
     tc = dict(allocator="tcmalloc", allocator_library=LIBS[Allocator.tcmalloc])
-    assert launcher.rank_env("cpu", 1, **tc)[launcher.MKL_FAST_MM_OFF] == "1"
-    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc, mkl_fast_mm=True)
-    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, 1 << 20)  # glibc: mmap'd anew each call
-    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cuda", 1, **tc)
+    assert launcher.rank_env("cpu", 1, **tc)[allocators.MKL_FAST_MM_OFF] == "1"
+    assert allocators.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc, mkl_fast_mm=True)
+    assert allocators.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, 1 << 20)  # glibc: mmap'd anew each call
+    assert allocators.MKL_FAST_MM_OFF not in launcher.rank_env("cuda", 1, **tc)
     kept = SimpleNamespace(allocator="tcmalloc", mkl_fast_mm=True)
     assert allocators.memory_mode(kept, 1 << 20) == "tcmalloc-release0-mklmm1"
     monkeypatch.setenv("MKL_DISABLE_FAST_MM", "1")  # yours: the cache is off whatever the config says
-    assert launcher.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc)
+    assert allocators.MKL_FAST_MM_OFF not in launcher.rank_env("cpu", 1, **tc)
     assert allocators.memory_mode(kept, 1 << 20) == "tcmalloc-release0-mklmm0"
     assert allocators.rank_env_args(kept)["mkl_fast_mm"] is True  # the probes run what the ranks will
 
