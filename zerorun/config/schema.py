@@ -184,9 +184,9 @@ class LauncherConfig:
     apiece on GPT-2-sized layers) for the life of the process. false: MKL_DISABLE_FAST_MM=1, each buffer freed with
     its call: the cached ones, allocated in the first forward, landed inside the spans the activations had freed
     and cut them, so every later layer's blocks grew the heap (tiny GPT-2, ZeRO-1, fp32, checkpointing, micro
-    16 x 176: 10 buffers, 46 MiB kept, the rank 578 MiB against 540 without them; docs/memory.md 5.4). The same
-    tokens/s within the machine's noise (benchmarks/throughput.py, system zerorun@mkl-fast-mm). true: MKL keeps
-    them. An MKL_DISABLE_FAST_MM you set wins."""
+    16 x 176: 10 buffers, 46 MiB kept, the rank 578 MiB against 540 without them; docs/memory.md 5.4), and steps
+    ran 1.12x faster without them (the paired benchmark, system zerorun@mkl-fast-mm). true: MKL keeps them. An
+    MKL_DISABLE_FAST_MM you set wins."""
     heap_limit_mib: int = num(-1, ge=-1)
     """CPU ranks on tcmalloc: a ceiling on its page heap (gperftools' tcmalloc.heap_limit_mb), set in each rank once
     the engine is built and a checkpoint, if any, resumed. -1: the rank's share of the host's RAM (its capacity:
