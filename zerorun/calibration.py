@@ -35,11 +35,13 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
-RANK_RUNTIME = 4
+RANK_RUNTIME = 5
 """Bumped when zerorun's own rank code changes what a rank holds, or what the estimate counts of a micro rank
 (its runtime overhead is the rest), which package versions do not show in an editable install: measurements made
 before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's gelu_new runs fused: its GeLU saves
-one MLP-wide tensor, not four; 4: a preloaded allocator's page heap from its blocks, memory/page_heap.py)."""
+one MLP-wide tensor, not four; 4: a preloaded allocator's page heap from its blocks, memory/page_heap.py; 5: a
+rank's peak is its own VmHWM, where getrusage gave a probe the gate's peak: 16 of 415 stored overheads 4-48 MiB
+high)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)

@@ -11,8 +11,10 @@ TRACK_MEMORY_ENV = "ZERORUN_TRACK_MEMORY"  # "1": count live tensor bytes on CPU
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB): what a cgroup limit and the OOM killer see."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size: what a cgroup limit and the OOM killer see. The kernel's VmHWM, not
+    getrusage's ru_maxrss, which Linux carries across exec from the process that spawned this one: a calibration
+    probe started by the gate (~450 MiB resident) read the gate's peak, not its own 398 MiB (process_probe.py)."""
+    return rss_status()["VmHWM"]
 
 
 def rss_status() -> Dict[str, int]:
@@ -25,8 +27,10 @@ def rss_status() -> Dict[str, int]:
                 key, _, value = line.partition(":")
                 if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                     out[key] = int(value.split()[0]) * 1024
-    except OSError:  # not Linux: the peak from getrusage, nothing finer
-        out = {"VmHWM": peak_rss_bytes()}
+    except OSError:  # not Linux: the peak from getrusage (KiB there too), nothing finer
+        out = {}
+    if "VmHWM" not in out:
+        out["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
@@ -37,7 +41,7 @@ class RssMilestones:
         self.points: Dict[str, int] = {}
 
     def mark(self, name: str) -> None:
-        self.points[name] = rss_status().get("VmHWM", peak_rss_bytes())
+        self.points[name] = peak_rss_bytes()
 
 
 def accelerator_peak_bytes() -> int:
