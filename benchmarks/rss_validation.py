@@ -5,7 +5,7 @@
 
 Each point is a real `zerorun` run on CPU ranks (a few steps, the final evaluation, checkpoint and export
 included: all of it can OOM). Measured: each rank's peak resident set as the kernel reports it
-(getrusage ru_maxrss = VmHWM, in summary.json). Estimated: the gate's per-rank peak (estimate.json). The
+(VmHWM from /proc/self/status, in summary.json). Estimated: the gate's per-rank peak (estimate.json). The
 error is (estimate − measured) / measured; the targets are median |error| ≤ 5%, worst ≤ 10%, never more
 than 5% under (calibrated: median ≤ 3%, never more than 3% under). Figures, not a test:
 tests/e2e/test_rss_estimate.py holds the same statistics on a small subset.

@@ -27,9 +27,9 @@ def rss_status() -> Dict[str, int]:
                 key, _, value = line.partition(":")
                 if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                     out[key] = int(value.split()[0]) * 1024
-    except OSError:  # not Linux: the peak from getrusage (KiB there too), nothing finer
+    except OSError:  # not Linux: the peak from getrusage, nothing finer
         out = {}
-    if "VmHWM" not in out:
+    if "VmHWM" not in out:  # ru_maxrss is in KiB on Linux
         out["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 

@@ -1,6 +1,6 @@
 """The gate's per-rank figure against what the OS saw: peak RSS of every rank in real runs on CPU ranks.
 
-The instrument is the kernel's (getrusage ru_maxrss, i.e. VmHWM), not zerorun's tensor tracker. A subset
+The instrument is the kernel's (VmHWM, /proc/self/status), not zerorun's tensor tracker. A subset
 of benchmarks/rss_validation.py (which prints the whole matrix); the issue's targets, uncalibrated:
 median |error| <= 5%, worst <= 10%, never more than 5% under. Calibrated (gate=calibrate): within 3%.
 """
