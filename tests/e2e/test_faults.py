@@ -75,24 +75,24 @@ def test_a_real_allocation_failure_is_recovered(tmp_path, cache_dir):
 
 @pytest.mark.skipif(not find_library(Allocator.tcmalloc), reason="tcmalloc is not installed (make system-deps)")
 def test_a_heap_ceiling_holds_the_resident_set_and_live_memory_above_it_is_an_oom_recovered(tmp_path, cache_dir):
-    # tiny GPT-2, micro 8 x 128: more tcmalloc heap at the step's peak than 170 MiB (it was ~250 MiB, and fit
-    # under 200 once MKL's GEMM buffers were freed with each call, launcher.mkl_fast_mm). Held under 170, the first
-    # steps fail in tcmalloc itself (no injection), zerorun halves the micro-batch until the step fits, and the
+    # tiny GPT-2, micro 16 x 128: more tcmalloc heap at the step's peak than 200 MiB (micro 8 needed ~250 MiB, and
+    # fits under 200 since MKL's GEMM buffers are freed with each call, launcher.mkl_fast_mm). Held under 200, the
+    # first steps fail in tcmalloc itself (no injection), zerorun halves the micro-batch until the step fits, and the
     # rank's resident set stays under the ceiling plus what it holds outside the heap.
     run = tmp_path / "ceiling"
     args = ["launcher.nproc_per_node=2", "trainer.max_steps=2", "trainer.progress=false", "trainer.export=false",
-            "launcher.allocator=tcmalloc", "launcher.heap_limit_mib=170"]
+            "launcher.allocator=tcmalloc", "launcher.heap_limit_mib=200", "trainer.micro_batch_size=16"]
     proc = run_zerorun(args, run, cache_dir)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "held under 170 MiB by launcher.heap_limit_mib" in proc.stdout
+    assert "held under 200 MiB by launcher.heap_limit_mib" in proc.stdout
     s = summary(run)
     assert s["recoveries"] and all(e["kind"] == "oom" and "can't allocate memory" in e["error"]
                                    for e in s["recoveries"])
-    assert s["heap_limit"]["limit_bytes"] == 170 * 2**20
+    assert s["heap_limit"]["limit_bytes"] == 200 * 2**20
     outside = s["heap_limit"]["outside_heap_bytes"]  # rank 0's; the ranks' differ by a few MiB
     for rank in s["peak_memory"]:
-        assert rank["heap_limit_bytes"] == 170 * 2**20
-        assert rank["peak_rss_bytes"] <= 170 * 2**20 + outside + 16 * 2**20, (rank, outside)
+        assert rank["heap_limit_bytes"] == 200 * 2**20
+        assert rank["peak_rss_bytes"] <= 200 * 2**20 + outside + 16 * 2**20, (rank, outside)
 
 
 def _start(args, run, cache_dir):
