@@ -78,7 +78,8 @@ def test_a_heap_ceiling_holds_the_resident_set_and_live_memory_above_it_is_an_oo
     # tiny GPT-2, micro 16 x 128: more tcmalloc heap at the step's peak than 200 MiB (micro 8 needed ~250 MiB, and
     # fits under 200 since MKL's GEMM buffers are freed with each call, launcher.mkl_fast_mm). Held under 200, the
     # first steps fail in tcmalloc itself (no injection), zerorun halves the micro-batch until the step fits, and the
-    # rank's resident set stays under the ceiling plus what it holds outside the heap.
+    # rank's resident set stays under the ceiling plus what it holds outside the heap (its own figure at the end: the
+    # library pages and interpreter arenas a step adds after the ceiling is set: 15 MiB here, 26+ in a CI run).
     run = tmp_path / "ceiling"
     args = ["launcher.nproc_per_node=2", "trainer.max_steps=2", "trainer.progress=false", "trainer.export=false",
             "launcher.allocator=tcmalloc", "launcher.heap_limit_mib=200", "trainer.micro_batch_size=16"]
@@ -89,10 +90,10 @@ def test_a_heap_ceiling_holds_the_resident_set_and_live_memory_above_it_is_an_oo
     assert s["recoveries"] and all(e["kind"] == "oom" and "can't allocate memory" in e["error"]
                                    for e in s["recoveries"])
     assert s["heap_limit"]["limit_bytes"] == 200 * 2**20
-    outside = s["heap_limit"]["outside_heap_bytes"]  # rank 0's; the ranks' differ by a few MiB
     for rank in s["peak_memory"]:
         assert rank["heap_limit_bytes"] == 200 * 2**20
-        assert rank["peak_rss_bytes"] <= 200 * 2**20 + outside + 16 * 2**20, (rank, outside)
+        assert 0 < rank["outside_heap_bytes"] < rank["peak_rss_bytes"]
+        assert rank["peak_rss_bytes"] <= 200 * 2**20 + rank["outside_heap_bytes"] + 8 * 2**20, rank
 
 
 def _start(args, run, cache_dir):

@@ -69,6 +69,14 @@ class Tcmalloc:
         return bool(self._set(PROPERTY, -(-limit // MIB)))
 
 
+def outside_heap_bytes() -> int:
+    """What this rank holds resident outside its tcmalloc heap now (interpreter arenas, thread stacks, library pages
+    the run has touched since the ceiling was set), 0 where tcmalloc is not what runs: the ceiling holds the heap,
+    so a rank's resident set stays under the ceiling plus this."""
+    tc = Tcmalloc.here()
+    return max(0, rss_status().get("VmRSS", 0) - tc.heap_resident()) if tc else 0
+
+
 def applies(setting_mib: int, accelerator: str, allocator, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether CPU ranks on ``allocator`` will set a ceiling: tcmalloc, a setting other than 0, and no
     TCMALLOC_HEAP_LIMIT_MB of the user's (the launch line and zerorun-estimate say so where it does). Pure."""
