@@ -187,10 +187,20 @@ MKL_FAST_MM_OFF = "MKL_DISABLE_FAST_MM"
 """Any value turns MKL's buffer cache off (launcher.mkl_fast_mm): each GEMM frees its packing buffers."""
 
 
-def mkl_buffers_kept(launcher_cfg) -> bool:
-    """Whether MKL keeps its GEMM buffers on tcmalloc ranks (launcher.mkl_fast_mm; an MKL_DISABLE_FAST_MM you set
-    turns it off whatever the config says)."""
-    return bool(launcher_cfg.mkl_fast_mm) and MKL_FAST_MM_OFF not in os.environ
+def mkl_env(name: Allocator, mkl_fast_mm: bool, environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
+    """What a CPU rank's environment gets for MKL's GEMM buffers. On tcmalloc MKL's cached buffers cut the
+    activations' freed spans, and freed per call they cost a page heap lookup: off unless launcher.mkl_fast_mm
+    (an MKL_DISABLE_FAST_MM you set wins). glibc at 1 MiB would page-fault them anew each call: there MKL keeps
+    them."""
+    if Allocator(name) == Allocator.tcmalloc and not mkl_fast_mm and MKL_FAST_MM_OFF not in environ:
+        return {MKL_FAST_MM_OFF: "1"}
+    return {}
+
+
+def mkl_buffers_kept(launcher_cfg, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether MKL keeps its GEMM buffers on a tcmalloc rank: the variable is in neither your environment nor
+    what mkl_env adds."""
+    return MKL_FAST_MM_OFF not in {**environ, **mkl_env(Allocator.tcmalloc, launcher_cfg.mkl_fast_mm, environ)}
 
 
 def memory_mode(launcher_cfg, mmap_threshold: int) -> str:

@@ -105,10 +105,7 @@ def rank_env(accelerator: str, threads_per_rank: int, mmap_threshold: int = CPU_
         env.update({k: str(KERNEL_CACHE_ENTRIES) for k in KERNEL_CACHE_VARIABLES if k not in os.environ})
         if resolved.name == Allocator.glibc:  # glibc's MALLOC_* variables mean nothing to a preloaded malloc
             env.update(glibc_env(mmap_threshold))
-        # On tcmalloc MKL's cached GEMM buffers cut the activations' freed spans; freed per call they cost a page
-        # heap lookup. glibc at 1 MiB would page-fault them anew each call: there MKL keeps them.
-        if resolved.name == Allocator.tcmalloc and not mkl_fast_mm and allocators.MKL_FAST_MM_OFF not in os.environ:
-            env[allocators.MKL_FAST_MM_OFF] = "1"
+        env.update(allocators.mkl_env(resolved.name, mkl_fast_mm))
     elif expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     return env
