@@ -192,6 +192,25 @@ class Refused(RuntimeError):
     """zerorun refused the config before launch (exit 2): the gate said it does not fit here."""
 
 
+def _descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (from /proc): zerorun starts the deepspeed launcher in a session of its own, so
+    killing zerorun's group left the launcher and its ranks running, holding the output pipe open (a set on an AVX2
+    machine waited 35 min on a bf16 GPT-2 draw its 900 s timeout had "killed")."""
+    children: Dict[int, List[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _run_bounded(cmd: List[str], env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """``cmd`` in a session of its own, killed whole (launcher and ranks) after ``timeout`` seconds: a drawn shape
     can be hours on this CPU (bf16 matmuls without native bf16: GPT-2 small at 5,200 tokens a step was still in
@@ -201,6 +220,11 @@ def _run_bounded(cmd: List[str], env: Dict[str, str], timeout: float) -> subproc
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in _descendants(proc.pid):  # before zerorun dies: its orphans would be init's
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise RuntimeError(f"not measured: still running after {timeout:.0f} s (--run-timeout), killed") from None
