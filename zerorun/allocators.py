@@ -200,7 +200,7 @@ def mkl_env(name: Allocator, mkl_fast_mm: bool, environ: Mapping[str, str] = os.
 def mkl_buffers_kept(launcher_cfg, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether MKL keeps its GEMM buffers on a tcmalloc rank: the variable is in neither your environment nor
     what mkl_env adds."""
-    return MKL_FAST_MM_OFF not in {**environ, **mkl_env(Allocator.tcmalloc, launcher_cfg.mkl_fast_mm, environ)}
+    return MKL_FAST_MM_OFF not in environ and not mkl_env(Allocator.tcmalloc, launcher_cfg.mkl_fast_mm, environ)
 
 
 def memory_mode(launcher_cfg, mmap_threshold: int) -> str:

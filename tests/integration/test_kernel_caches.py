@@ -1,8 +1,8 @@
 """What CPU ranks let the math libraries keep: oneDNN's per-shape kernel caches are bounded
 (launcher.KERNEL_CACHE_ENTRIES): a bf16 linear layer run forward and backward at 600 row counts (shapes_here), as
-a mixture of experts' routing makes them, in a fresh process with the ranks' environment: its resident set stays near the
-bound's worth of kernels, where PyTorch's defaults (1024 entries each) keep one kernel per shape (1,145 MiB here on
-AVX-512). And on tcmalloc MKL keeps no GEMM buffer beyond its call (launcher.mkl_fast_mm)."""
+a mixture of experts' routing makes them, in a fresh process with the ranks' environment: its resident set stays
+near the bound's worth of kernels, where PyTorch's defaults (1024 entries each) keep one kernel per shape (1,145
+MiB here on AVX-512). And on tcmalloc MKL keeps no GEMM buffer beyond its call (launcher.mkl_fast_mm)."""
 import json
 import os
 import subprocess
