@@ -72,7 +72,8 @@ def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple)
     if stage == 3:
         if z.contiguous_gradients:
             resident.append(("reduce buckets", plan.buckets.reduce_bucket_size * g))  # stage3.py IPG buffer
-        live = zero3_live_peak(key, plan.buckets.stage3_param_persistence_threshold, z.stage3_max_reuse_distance)
+        live = zero3_live_peak(key, plan.buckets.stage3_param_persistence_threshold, z.stage3_max_reuse_distance,
+                               z.stage3_max_live_parameters)
         if plan.data_parallel_size == 1 and (not plan.offload_params or plan.world.accelerator == "cpu"):
             # One rank: DeepSpeed does not gather (partition_parameters.py _no_gather_coalesced: param.data =
             # ds_tensor.to(device), a copy only when the partition sits on the host and the rank on a GPU).
@@ -83,7 +84,8 @@ def backward_buffers(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, key: Tuple)
                             min(plan.buckets.stage3_prefetch_bucket_size, z.stage3_max_live_parameters) * p))
         if live > 0.5 * bd.total:
             notes.append(f"ZeRO-3 keeps {live / bd.total:.0%} of the parameters gathered between forward and backward "
-                         f"(stage3_max_reuse_distance={z.stage3_max_reuse_distance:.0e}); a smaller reuse distance "
+                         f"(its prefetch fills zero.stage3_max_live_parameters={z.stage3_max_live_parameters:.0e}); "
+                         "a smaller zero.stage3_max_live_parameters with a smaller zero.stage3_max_reuse_distance "
                          "trades this memory for more all-gathers.")
     # ZeRO-2/3: a layer parameter's grad exists until its hook copies it into the bucket. (The tied
     # embedding's grad is the separate "tied-embedding grad": autograd holds it until both uses are summed.)
@@ -265,38 +267,61 @@ def zero0_flatten_bytes(cfg: RunConfig, bd: ParamBreakdown) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def zero3_live_peak(key: Tuple, threshold: int, reuse_distance: int) -> int:
-    """Peak elements of gathered (non-persistent) parameters during forward + backward under ZeRO-3.
+def zero3_live_peak(key: Tuple, threshold: int, reuse_distance: int, max_live: int = 1_000_000_000) -> int:
+    """Peak elements of gathered (non-persistent) parameters during forward + backward under ZeRO-3, replaying
+    DeepSpeed 0.19.8's coordinator (partitioned_param_coordinator.py) one parameter tensor at a time over the
+    forward trace and its reverse (backward):
 
-    Replays DeepSpeed's release rule (partitioned_param_coordinator.py ``__params_to_release``): after a
-    module runs, its parameters stay gathered if they are used again within ``stage3_max_reuse_distance``
-    elements of the modules that follow in the trace. With the default 1e9 a model under ~0.5B
-    parameters stays fully gathered after the first step (the "ZeRO-3 uses more than ZeRO-2" reports of
-    §5.2). Granularity here is one transformer layer; DeepSpeed traces leaf modules.
+    - **Prefetch** (``fetch_sub_module``): once the trace is recorded, every fetch also gathers the next tensors of
+      the trace while fewer than ``stage3_max_live_parameters`` elements are gathered (the last one may overshoot).
+      Each fetch prefetches at least one tensor and a layer runs more modules (containers, norms, dropouts,
+      activations) than it has large tensors, so the prefetch front runs ahead of the forward and fills the
+      budget: the replay assumes it always does. Measured on 2 CPU ranks (a 16-layer Llama-class model of 19.3M
+      parameters): every tensor gathered by mid-forward for any reuse distance while the budget exceeds the model,
+      and at most the budget plus one tensor below it; on an H200, Llama-3.2-1B with its parameters offloaded
+      kept 1.0e9 elements gathered (1.9 GiB), not the 0.5e9 a release-only replay predicts (docs/memory.md §8.7).
+    - **Release** (``__params_to_release``): after its module runs, a tensor stays gathered if the prefetch front
+      has already fetched it for a later use, or if it is used again within ``stage3_max_reuse_distance``
+      elements of the modules that follow.
+
+    Persistent tensors (at most ``threshold`` elements) are never gathered or released: counted elsewhere.
     """
     bd = breakdown(key)
-    big = lambda ts, tag: tuple((tag, i, n) for i, n in enumerate(ts) if n > threshold)  # noqa: E731
+    big = lambda ts, tag: [((tag, i), n) for i, n in enumerate(ts) if n > threshold]  # noqa: E731
     emb = big(bd.embedding_tensors, "emb")
-    layers = [tuple((f"L{l}", i, n) for (_, i, n) in big(bd.layer_tensors, "L")) for l in range(bd.num_layers)]
-    head = big(bd.head_tensors, "head")
-    forward: List[Tuple] = [emb, *layers, head]
+    forward = emb + [((f"L{l}", i), n) for l in range(bd.num_layers) for (_, i), n in big(bd.layer_tensors, "L")]
+    forward += big(bd.head_tensors, "head")
     if bd.tied_embedding:
-        forward.append(tuple(t for t in emb if t[2] == bd.tied_embedding)[:1])  # LM head reuses wte
+        forward += [t for t in emb if t[1] == bd.tied_embedding][:1]  # the LM head reuses wte
     trace = forward + forward[::-1]
-    sizes = [sum(n for (_, _, n) in blk) for blk in trace]
-    kept: Dict[Tuple[str, int], int] = {}
-    peak = 0
-    for t, blk in enumerate(trace):
-        live = dict(kept)
-        live.update({(tag, i): n for (tag, i, n) in blk})
-        peak = max(peak, sum(live.values()))
-        # Release this module's params unless reused within the distance (counted from the next module).
-        reused = set()
-        traversed = 0
-        for u in range(t + 1, len(trace)):
-            if traversed >= reuse_distance:
-                break
-            reused.update((tag, i) for (tag, i, _) in trace[u])
-            traversed += sizes[u]
-        kept = {k: n for k, n in live.items() if k not in {(tag, i) for (tag, i, _) in blk} or k in reused}
+    uses: Dict[Tuple, List[int]] = {}
+    for t, (tid, _) in enumerate(trace):
+        uses.setdefault(tid, []).append(t)
+    prefix = [0]
+    for _, n in trace:
+        prefix.append(prefix[-1] + n)
+    gathered: Dict[Tuple, int] = {}
+    fetched_for: Dict[Tuple, int] = {}
+    total = peak = front = 0
+    for t, (tid, n) in enumerate(trace):
+        if tid not in gathered:
+            gathered[tid] = n
+            total += n
+        fetched_for[tid] = max(fetched_for.get(tid, -1), t)
+        front = max(front, t + 1)
+        while front < len(trace) and total < max_live:
+            u, m = trace[front]
+            fetched_for[u] = max(fetched_for.get(u, -1), front)
+            if u not in gathered:
+                gathered[u] = m
+                total += m
+            front += 1
+        peak = max(peak, total)
+        if fetched_for[tid] > t:
+            continue  # the prefetch front already fetched it for a later use
+        later = [u for u in uses[tid] if u > t]
+        # reused within the distance: the elements of the modules between now and the next use
+        if later and prefix[later[0]] - prefix[t + 1] < reuse_distance:
+            continue
+        total -= gathered.pop(tid)
     return peak
