@@ -33,26 +33,27 @@ transformers.__version__)"
 stage "DeepSpeed's FusedAdam and CPU Adam, side by side (python -m zerorun.prebuild fused_adam cpu_adam)"
 time run_for 120 python3 -m zerorun.prebuild fused_adam cpu_adam
 
-# What the two leases of 2026-11-27 left open (docs/memory.md §8.5-8.6, docs/speed.md), most important first.
-# 1. zerorun's defaults lost to the hand-written loop on an H200 (0.89x, one round): each suspect switched off alone
-stage "throughput on the GPU: zerorun's defaults, without each of its GPU settings, and the hand-written loop"
-run_for 240 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 1 --steps 60 --warmup 10 \
-  --systems zerorun,zerorun@fixed-segments,zerorun@ds-buckets,loop
-# 2. Held out for the host terms set from the second lease (page-locked power-of-two blocks, ZeRO-3's host-side
-#    conversion): ZeRO-3 with CPU offload through zerorun's launcher; summary.json has the rank's VmHWM
-stage "zerorun: qwen2.5-0.5b bf16 ZeRO-3 + CPU offload, seq 1024 micro 4; nvidia-smi every 100 ms"
+# What the leases so far left open (docs/memory.md §8.5-8.7, docs/speed.md), most important first.
+# 1. Held out for the ZeRO-3 prefetch rule set from the third lease (§8.7: the front fills stage3_max_live_parameters):
+#    a model over 1e9 parameters at ZeRO-3 through zerorun's launcher; summary.json has the device and host peaks
+stage "zerorun: llama-3.2-1b bf16 ZeRO-3 + CPU offload (parameters too), seq 2048 micro 4, checkpointing; nvidia-smi"
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/smi.csv" &
 SMI=$!
-run_for 90 zerorun +model=qwen2.5-0.5b precision=bf16 zero=stage3 offload=cpu data.seq_len=1024 \
-  trainer.micro_batch_size=4 trainer.max_steps=12 trainer.export=false trainer.progress=false hydra.run.dir=/tmp/run1
+run_for 120 zerorun +model=llama-3.2-1b precision=bf16 zero=stage3 offload=cpu data.seq_len=2048 trainer.micro_batch_size=4 \
+  trainer.activation_checkpointing=true trainer.max_steps=12 trainer.export=false trainer.progress=false \
+  hydra.run.dir=/tmp/run1
 kill $SMI
 echo "nvidia-smi memory.used max: $(cut -d, -f2 "$OUT/smi.csv" | sort -n | tail -1) MiB"
 cp /tmp/run1/summary.json "$OUT/run1-summary.json" 2>/dev/null
 cp /tmp/run1/estimate.json "$OUT/run1-estimate.json" 2>/dev/null
-# 3. Another model with offload (device and host), ZeRO-2 and ZeRO-3
-stage "validator: llama-3.2-1b bf16 × ZeRO 2/3 with CPU offload, seq 512"
-run_for 150 python3 benchmarks/validate_memory_gpu.py --models llama-3.2-1b --dtypes bf16 --zero 2,3 --offload cpu \
-  --seqs 512 --warmup 2 --steps 2 --json "$OUT/gpu-validation-llama-offload.json"
+# 2. zerorun against the hand-written loop: 1.28x and 1.12x in the third lease (one round each); a third and fourth
+stage "throughput on the GPU: zerorun's defaults and the hand-written loop, two rounds"
+run_for 200 python3 benchmarks/throughput.py --gpus 1 --spec gpt2 --dtype bf16 --pairs 2 --steps 60 --warmup 10 \
+  --systems zerorun,loop
+# 3. The validator on a shape no lease measured: Qwen2.5-0.5B ZeRO-3 with the parameters offloaded, seq 1024
+stage "validator: qwen2.5-0.5b bf16 ZeRO-3, parameters offloaded, seq 1024"
+run_for 150 python3 benchmarks/validate_memory_gpu.py --models qwen2.5-0.5b --dtypes bf16 --zero 3 --offload cpu \
+  --seqs 1024 --warmup 2 --steps 2 --json "$OUT/gpu-validation-qwen-z3-offload.json"
 
 stage "the rows against today's estimator"
 python3 benchmarks/validate_memory_gpu.py --rescore "$OUT"/gpu-validation-*.json | tail -12
