@@ -270,7 +270,10 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                      "calibrated": est.get("calibration", {}).get("source") == "calibrated",
                      "calibration": est.get("calibration", {}).get("what", ""),
                      "process_runtime": e["components"].get("process runtime", 0),
-                     "runtime_overhead": e["components"].get("allocator and runtime overhead", 0)})
+                     "runtime_overhead": e["components"].get("allocator and runtime overhead", 0),
+                     # tcmalloc's small-object caches at the end, against the term that predicts them
+                     "allocator_cache": r.get("allocator_cache_bytes", 0),
+                     "heap_retention": e["components"].get("heap retention", 0)})
     return rows
 
 

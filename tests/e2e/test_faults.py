@@ -93,6 +93,7 @@ def test_a_heap_ceiling_holds_the_resident_set_and_live_memory_above_it_is_an_oo
     for rank in s["peak_memory"]:
         assert rank["heap_limit_bytes"] == 200 * 2**20
         assert 0 < rank["outside_heap_bytes"] < rank["peak_rss_bytes"]
+        assert 0 < rank["allocator_cache_bytes"] < 32 * 2**20  # tcmalloc's small-object caches, under their cap
         assert rank["peak_rss_bytes"] <= 200 * 2**20 + rank["outside_heap_bytes"] + 8 * 2**20, rank
 
 

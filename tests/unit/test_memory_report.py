@@ -31,3 +31,4 @@ def test_gather_runs_on_the_ranks_device(monkeypatch):
     assert len(dist.calls) == 1
     assert [r["rank"] for r in rows] == [0, 1]
     assert [r["peak_rss_bytes"] for r in rows] == [1000, 1001]
+    assert [r["allocator_cache_bytes"] for r in rows] == [1000, 1001]  # each field read from its own slot

@@ -18,7 +18,7 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
     """Every rank's memory figures, on every rank (one all-gather)."""
     import torch
 
-    from .heap_limit import outside_heap_bytes  # (heap_limit reads this module's rank_figures)
+    from .heap_limit import outside_heap_bytes, small_object_cache_bytes  # (heap_limit reads rank_figures)
 
     states = model_state_bytes(trainer.engine)
     stage = trainer.engine.stage_id if trainer.strategy.pipeline else -1
@@ -29,7 +29,8 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
                          (live or {}).get("init", 0), (live or {}).get("train", 0), stage,
                          trainer.heap_limit.get("limit_bytes", 0),
                          outside_heap_bytes() if trainer.heap_limit.get("limit_bytes") else 0,
-                         *[device.get(k, 0) for k in DEVICE_KEYS], *marks], dtype=torch.float64)
+                         small_object_cache_bytes(), *[device.get(k, 0) for k in DEVICE_KEYS], *marks],
+                        dtype=torch.float64)
     mine = mine.to(trainer.device)  # NCCL gathers CUDA tensors only (a CPU one: "No backend type associated ...")
     gathered = [torch.zeros_like(mine) for _ in range(trainer.world)]
     trainer.dist.all_gather(gathered, mine)
@@ -40,13 +41,15 @@ def gather_memory(trainer, live: Optional[Dict[str, int]]) -> List[Dict[str, Any
         row: Dict[str, Any] = {"rank": r, "peak_rss_bytes": g[0], "accelerator_peak_allocated_bytes": g[1],
                                "model_state_bytes": {"parameters": g[2], "persistent_parameters": g[3],
                                                      "fp32_master": g[4], "optimizer_states": g[5]}}
-        if any(g[11:11 + n_dev]):
-            row["device_bytes"] = dict(zip(DEVICE_KEYS, g[11:11 + n_dev]))
+        if any(g[12:12 + n_dev]):
+            row["device_bytes"] = dict(zip(DEVICE_KEYS, g[12:12 + n_dev]))
         # The peak RSS so far as the rank passed each point: which part of the run set the peak.
-        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[11 + n_dev:]))
+        row["peak_rss_bytes_by_point"] = dict(zip(MILESTONES, g[12 + n_dev:]))
         if g[9]:  # the ceiling on its tcmalloc heap (launcher.heap_limit_mib; train/heap_limit.py)
             row["heap_limit_bytes"] = g[9]
             row["outside_heap_bytes"] = g[10]  # at the end: what the ceiling does not hold (heap_limit.py)
+        if g[11]:  # tcmalloc ranks, at the end: what its small-object caches hold free (the heap-retention term)
+            row["allocator_cache_bytes"] = g[11]
         if live is not None:
             row["live_tensor_peak_bytes"] = {"init": g[6], "train": g[7]}
         if trainer.strategy.pipeline:
