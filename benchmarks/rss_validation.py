@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from zerorun.calibration import RANK_RUNTIME  # noqa: E402
 from zerorun.memory import OVERHEADS  # noqa: E402
 from zerorun.train.memory_report import rank_figures  # noqa: E402  (per rank: its stage's, rank 0's export)
 
@@ -273,7 +274,10 @@ def run_point(overrides: List[str], work: Path, env: Dict[str, str], calibrated:
                      "runtime_overhead": e["components"].get("allocator and runtime overhead", 0),
                      # tcmalloc's small-object caches at the end, against the term that predicts them
                      "allocator_cache": r.get("allocator_cache_bytes", 0),
-                     "heap_retention": e["components"].get("heap retention", 0)})
+                     "heap_retention": e["components"].get("heap retention", 0),
+                     # what the probe of this kind measured, as the estimate used it (RANK_RUNTIME: how)
+                     "probe_cache": est.get("config", {}).get("allocator_cache_bytes", 0),
+                     "rank_runtime": RANK_RUNTIME})
     return rows
 
 
@@ -297,14 +301,18 @@ def rescore(rows: List[Dict]) -> List[Dict]:
             ovs.append("launcher.nproc_per_node=2")
         cfg = compose([o for o in ovs if not o.startswith("data.path")])
         world = plan_world(cfg, hw)
-        if not r.get("runtime_overhead"):  # rows from before the micro probe: measure as a launch here would
+        # What the run's own gate measured (it moves between boots: 59-74 MiB, one kind), where its probe measured
+        # what today's estimate subtracts (RANK_RUNTIME); else measured here as a launch would
+        own = r.get("runtime_overhead") and r.get("rank_runtime") == RANK_RUNTIME
+        if not own:
             ensure_baseline(cfg, hw)
         cal = dataclasses.replace(calibration_for(cfg, hw), corrections=())
         if r.get("by_point", {}).get("ready"):  # the run's own "ready" point: the baseline moves with the page cache
             cal = dataclasses.replace(cal, cpu_process_bytes=r["by_point"]["ready"], process_measured=True)
-        if r.get("runtime_overhead"):  # what the run's own gate measured (it moves between boots: 59-74 MiB, one kind)
+        if own:
             key = runtime_overhead_key(cfg, hw, world.nproc_per_node)
-            cal = dataclasses.replace(cal, runtime_overheads=((key, r["runtime_overhead"]),))
+            cal = dataclasses.replace(cal, runtime_overheads=((key, r["runtime_overhead"]),),
+                                      allocator_caches=((key, r["probe_cache"]),) if r.get("probe_cache") else ())
         est = estimate(cfg, make_plan(cfg, world), hw, cal=cal)
         stage = r.get("stage", r["rank"] if est.stages else None)
         e = est.stages[stage] if est.stages else est.to_json()

@@ -35,13 +35,13 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
-RANK_RUNTIME = 5
+RANK_RUNTIME = 6
 """Bumped when zerorun's own rank code changes what a rank holds, or what the estimate counts of a micro rank
 (its runtime overhead is the rest), which package versions do not show in an editable install: measurements made
 before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's gelu_new runs fused: its GeLU saves
 one MLP-wide tensor, not four; 4: a preloaded allocator's page heap from its blocks, memory/page_heap.py; 5: a
 rank's peak is its own VmHWM, where getrusage gave a probe the gate's peak: 16 of 415 stored overheads 4-48 MiB
-high)."""
+high; 6: tcmalloc's caches are the micro rank's measured figure, not the overhead's)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)
@@ -114,10 +114,11 @@ def calibration_for(cfg: RunConfig, hw: Optional[Hardware] = None) -> Calibratio
     baseline = records.get(baseline_key(cfg, hw))
     if measured_this_boot(baseline, env):
         cal = dataclasses.replace(cal, cpu_process_bytes=int(baseline["baseline_bytes"]), process_measured=True)
-    overheads = tuple((k, int(r["overhead_bytes"])) for k, r in sorted(records.items())
-                      if k.startswith(RUNTIME_OVERHEAD) and measured_this_boot(r, env)
-                      and r.get("overhead_bytes") is not None)
-    return dataclasses.replace(cal, runtime_overheads=overheads)
+    probes = [(k, r) for k, r in sorted(records.items())
+              if k.startswith(RUNTIME_OVERHEAD) and measured_this_boot(r, env)]
+    overheads = tuple((k, int(r["overhead_bytes"])) for k, r in probes if r.get("overhead_bytes") is not None)
+    caches = tuple((k, int(r["allocator_cache_bytes"])) for k, r in probes if r.get("allocator_cache_bytes"))
+    return dataclasses.replace(cal, runtime_overheads=overheads, allocator_caches=caches)
 
 
 def baseline_key(cfg: RunConfig, hw: Hardware) -> str:

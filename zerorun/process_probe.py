@@ -93,7 +93,7 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     from . import allocators, launcher
     from .ds_config import render
     from .memory import estimate
-    from .memory.priors import RUNTIME_TERM
+    from .memory.priors import RUNTIME_TERM, runtime_overhead_key
     from .rundir import RunDir
 
     micro = micro_config(cfg)
@@ -117,10 +117,13 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
         raise RuntimeError(f"the micro rank exited {rc}: {(work / 'probe.log').read_text()[-1500:]}")
     row = summary["peak_memory"][0]
     ready, peak = int(row["peak_rss_bytes_by_point"]["ready"]), int(row["peak_rss_bytes"])
+    cache = row.get("allocator_cache_bytes")  # tcmalloc's small-object caches: a term of their own, not overhead
+    caches = ((runtime_overhead_key(micro, hw, plan.world.nproc_per_node), int(cache)),) if cache else ()
     est = estimate(micro, plan, hw, cal=dataclasses.replace(cal, cpu_process_bytes=ready, process_measured=True,
-                                                            corrections=()))
+                                                            corrections=(), allocator_caches=caches))
     counted = est.per_rank_peak_bytes - est.components.get(RUNTIME_TERM, 0)
     # Where the estimator counts more than the micro rank held, the residual is its error on the micro model, not
     # the overhead (a config.json ModernBERT at ZeRO-3 fp32 read 0 that way and its ranks -7%): keep the prior.
     return {"ready_bytes": ready, "peak_bytes": peak, "counted_bytes": counted,
-            "overhead_bytes": peak - counted if peak > counted else None, "by_point": row["peak_rss_bytes_by_point"]}
+            "overhead_bytes": peak - counted if peak > counted else None, "by_point": row["peak_rss_bytes_by_point"],
+            "allocator_cache_bytes": row.get("allocator_cache_bytes")}

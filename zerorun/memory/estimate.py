@@ -277,14 +277,16 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
     host_components = phase([*host_steady.items(), ("optimizer-step transient (host)", host_step),
                              ("process runtime", cal.cpu_process_bytes if world.accelerator == "cpu"
                               else cal.cuda_process_host_bytes)])
-    placement = 0
+    placement, cache = 0, None
     if world.accelerator == "cpu":
         # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
         retained = int(cal.heap_retention * act.heap_churn)
-        if allocator == Allocator.tcmalloc:
-            retained = min(retained, cal.tcmalloc_thread_caches)  # its size classes keep no more
+        kind = runtime_overhead_key(cfg, hw, world.nproc_per_node)
+        if allocator == Allocator.tcmalloc:  # its caches as measured for this kind, else at most their cap
+            cache = cal.allocator_cache(kind)
+            retained = cache if cache is not None else min(retained, cal.tcmalloc_thread_caches)
         comps["heap retention"] = retained + _zero3_regather_heap(cfg, plan, bd)
         if allocator in PRELOADED:
             # Freed spans stay in the allocator's page heap for reuse (what makes it fast); the blocks that find
@@ -296,7 +298,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         # bitsandbytes' import pages in what the ZeRO optimizer's start-up does (measured on tiny GPT-2: +45 MiB
         # at "built" at ZeRO-0, +4 MiB at ZeRO-2 over AdamW), so it costs the same term once.
         zero_like = cfg.zero.stage >= 1 or plan.optimizer == OptimizerImpl.bnb_adamw8bit
-        measured = cal.runtime_overhead(runtime_overhead_key(cfg, hw, world.nproc_per_node))
+        measured = cal.runtime_overhead(kind)
         comps[RUNTIME_TERM] = measured if measured is not None else \
             cal.cpu_overhead_bytes + (cal.cpu_zero_overhead_bytes if zero_like else 0)
         per_rank = sum(comps.values())
@@ -343,6 +345,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
         "global_batch_size": plan.global_batch_size, "data_parallel_size": max(1, plan.data_parallel_size),
         "ranks_per_node": world.nproc_per_node, "nodes": world.nnodes, "accelerator": world.accelerator,
         "allocator": allocator.value,
+        **({"allocator_cache_bytes": cache} if cache is not None else {}),  # tcmalloc's caches, measured for the kind
         "attention_kernel": act.kernel, "buckets": plan.buckets.to_json(), "overlap_comm": cfg.zero.overlap_comm,
     }
     return Estimate(components=comps, per_rank_peak_bytes=int(per_rank), device_capacity_bytes=int(capacity),

@@ -63,6 +63,12 @@ class Calibration:
     the central lists and their spans to the page heap, so the heap-retention term stops there: glibc's arena
     keeps ``heap_retention`` × the churn, tcmalloc at most this. On the 21 rate-0 ranks whose 2 × churn was above 5%
     of the figure every one read over (+2.4..+25.6%; a Qwen3-MoE ZeRO-1 pair +25% on 198 MiB of the term), §5.4."""
+    allocator_caches: Tuple[Tuple[str, int], ...] = ()
+    """CPU ranks on tcmalloc: what its small-object caches (thread caches, transfer and central free lists) hold
+    free at the end of a micro rank of each kind of run, measured on this machine (process_probe.py, MallocExtension),
+    by runtime_overhead_key; replaces the cap above as the heap-retention term of that kind. A Qwen3 ZeRO-0 kind held
+    9.7 MiB in its micro rank and 9.5-10 MiB in a real rank of the kind at its loss (AMD EPYC), where the cap said 32.
+    """
     runtime_overheads: Tuple[Tuple[str, int], ...] = ()
     """CPU ranks: the overhead above (and the ZeRO one) measured on this machine by a micro rank of each kind of
     run (zerorun/process_probe.py), by runtime_overhead_key; replaces both priors for that kind. It moved by
@@ -79,6 +85,9 @@ class Calibration:
 
     def runtime_overhead(self, key: str) -> Optional[int]:
         return next((c for k, c in self.runtime_overheads if k == key), None)
+
+    def allocator_cache(self, key: str) -> Optional[int]:
+        return next((c for k, c in self.allocator_caches if k == key), None)
 
 
 DEFAULT_CALIBRATION = Calibration()
