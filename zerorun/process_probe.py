@@ -126,4 +126,4 @@ def measure(cfg: RunConfig, hw: Hardware, work: Path, cal) -> Dict[str, Any]:
     # the overhead (a config.json ModernBERT at ZeRO-3 fp32 read 0 that way and its ranks -7%): keep the prior.
     return {"ready_bytes": ready, "peak_bytes": peak, "counted_bytes": counted,
             "overhead_bytes": peak - counted if peak > counted else None, "by_point": row["peak_rss_bytes_by_point"],
-            "allocator_cache_bytes": row.get("allocator_cache_bytes")}
+            "allocator_cache_bytes": cache}

@@ -7,6 +7,7 @@ found by measuring real engines on CPU (benchmarks/memory_harness.py).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Tuple
 
@@ -297,19 +298,14 @@ def zero3_live_peak(key: Tuple, threshold: int, reuse_distance: int, max_live: i
     uses: Dict[Tuple, List[int]] = {}
     for t, (tid, _) in enumerate(trace):
         uses.setdefault(tid, []).append(t)
-    prefix = [0]
-    for _, n in trace:
-        prefix.append(prefix[-1] + n)
+    prefix = list(itertools.accumulate((n for _, n in trace), initial=0))
     gathered: Dict[Tuple, int] = {}
     fetched_for: Dict[Tuple, int] = {}
     total = peak = front = 0
-    for t, (tid, n) in enumerate(trace):
-        if tid not in gathered:
-            gathered[tid] = n
-            total += n
-        fetched_for[tid] = max(fetched_for.get(tid, -1), t)
-        front = max(front, t + 1)
-        while front < len(trace) and total < max_live:
+    for t, (tid, _) in enumerate(trace):
+        # the module's own tensor (unless the front already fetched it), then the prefetch while under the budget
+        front = max(front, t)
+        while front < len(trace) and (front == t or total < max_live):
             u, m = trace[front]
             fetched_for[u] = max(fetched_for.get(u, -1), front)
             if u not in gathered:

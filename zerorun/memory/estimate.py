@@ -278,12 +278,13 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                              ("process runtime", cal.cpu_process_bytes if world.accelerator == "cpu"
                               else cal.cuda_process_host_bytes)])
     placement, cache = 0, None
+    kind = ""  # CPU ranks: the key a micro rank measured this kind of run's terms by
     if world.accelerator == "cpu":
+        kind = runtime_overhead_key(cfg, hw, world.nproc_per_node)
         # What the kernel counts beyond live tensors (§5.4): the process itself, the heap that freed
         # small activations leave behind, and what training pages in.
         comps["process runtime"] = cal.cpu_process_bytes
         retained = int(cal.heap_retention * act.heap_churn)
-        kind = runtime_overhead_key(cfg, hw, world.nproc_per_node)
         if allocator == Allocator.tcmalloc:  # its caches as measured for this kind, else at most their cap
             cache = cal.allocator_cache(kind)
             retained = cache if cache is not None else min(retained, cal.tcmalloc_thread_caches)
@@ -356,8 +357,7 @@ def against_capacity(cfg: RunConfig, plan: Plan, hw: Hardware, cal: Calibration,
                     summary=summary, notes=notes, bound_bytes=bound, bound_widths=widths,
                     calibration="calibrated on this machine" if correction is not None else
                     "prior; process baseline measured on this machine"
-                    + (", and its runtime overhead" if cal.runtime_overhead(runtime_overhead_key(
-                        cfg, hw, world.nproc_per_node)) is not None else "")
+                    + (", and its runtime overhead" if cal.runtime_overhead(kind) is not None else "")
                     if cal.process_measured and world.accelerator == "cpu" else "prior")
 
 
