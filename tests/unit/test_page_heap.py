@@ -167,6 +167,17 @@ def test_the_ranks_norm_slices_cover_the_embedding_once(ranks, word, rest, stage
 
 
 @pytest.mark.heavy
+def test_zero3s_step_norm_grows_the_heap_twice_where_the_momentum_takes_its_span():
+    # Held out (session 64, seed 1796683855): tiny BERT, ZeRO-3, bf16, SGD, micro 10 x 240, one rank, 675.5 MiB
+    # measured, 620.9 estimated (-8.1%). Logged (bigalloc): its 29.8 MiB fp64 norm of the word embedding's gradient
+    # grew the heap at steps 1 and 2 with 64-76 MiB free in smaller spans; the 16.7 MiB momentum took its span.
+    cfg, plan, e = term("+model=tiny-bert", "zero=stage3", "precision=bf16", "optimizer=sgd", "data.seq_len=240",
+                        "trainer.micro_batch_size=10", "trainer.activation_checkpointing=false")
+    norm = e.phases["gradient norm"][GRADIENT_NORM]
+    assert round(norm / MIB, 1) == 29.8
+    assert e.components[PAGE_HEAP_TERM] == pytest.approx(2 * norm, rel=0.01)
+
+
 def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     # Sampled (-19.0% before): GPT-2 small ZeRO-1 bf16 SGD, one rank, micro 5 x 176. Start-up: the fp32 model as built
     # (475 MiB), its bf16 cast and DeepSpeed's flat bf16 copy (237 each), the fp32 master and a transient (475 each):
@@ -241,7 +252,7 @@ def test_zero3_step_blocks_grow_the_heap_on_top_of_its_startup_copies():
     cfg, plan, e = term("+model=gpt2", "zero=stage3", "precision=bf16", "optimizer=sgd", "data.seq_len=128",
                         "trainer.micro_batch_size=1", "trainer.activation_checkpointing=true")
     assert round(startup_heap(cfg, plan, e.params, e.params, _largest(cfg, plan)) / MIB) == 1899
-    assert 3_200 * MIB < _heap(e) < 3_600 * MIB  # was 2,559: -16.6%
+    assert 3_400 * MIB < _heap(e) < 3_800 * MIB  # was 2,559: -16.6%; 3,617 with the step's fp64 norm counted
     # On two ranks (adamw8bit, micro 1 x 112) each rank's heap grew by 1,110 MiB at start-up: its 119 MiB flat bf16
     # partition took the span the cast freed of the 147 MiB fp32 word embedding; 2,671 MiB of heap in all.
     cfg, plan, e = term("+model=gpt2", "zero=stage3", "precision=bf16", "optimizer=adamw8bit", "data.seq_len=112",

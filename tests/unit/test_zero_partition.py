@@ -87,6 +87,28 @@ def test_the_steps_norm_block_grows_the_heap_only_where_no_freed_span_holds_it(s
     assert grown_at_step(spans, norm, blocks) == grown
 
 
+@pytest.mark.parametrize("states, grown", [
+    ([16.7], 2 * 29.8),         # tiny BERT (logged): the momentum took the norm's span, the next step grew it again
+    ([7.0], 29.8),              # a state a freed layer span holds leaves the norm's span whole
+    ([], 29.8),                 # no state (SGD without momentum): once
+])
+def test_a_state_that_takes_the_norms_span_grows_the_heap_by_the_norm_again(states, grown):
+    spans, blocks = [25.5, 25.5, 7.5, 14.9], [16.7, 16.7]  # the layers' spans hold the step's two blocks
+    assert grown_at_step(spans, 29.8, blocks, states) == pytest.approx(grown)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_zero3_takes_the_steps_norm_of_each_gradient_partition_in_fp64(ranks):
+    # stage3.py get_grad_norm_direct over averaged_gradients: g.to(float64) of each partition, one at a time
+    cfg = composed("+model=tiny-bert", "zero=stage3", "precision=bf16", f"launcher.nproc_per_node={ranks}")
+    world = World(nproc_per_node=ranks, nnodes=1, accelerator="cpu", fp16_ok=False)
+    e = estimate(cfg, make_plan(cfg, world), CPU_HOST)
+    largest = param_breakdown(cfg.model).largest_trainable
+    assert e.phases["gradient norm"][GRADIENT_NORM] == -(-largest // ranks) * FP64_NORM_BYTES
+    offloaded = composed("+model=tiny-bert", "zero=stage3", "offload=cpu", f"launcher.nproc_per_node={ranks}")
+    assert "gradient norm" not in estimate(offloaded, make_plan(offloaded, world), CPU_HOST).phases
+
+
 def _breakdown(embedding, layer):
     """A ParamBreakdown of a word embedding and one layer (no head), for partitions of any shape."""
     return dataclasses.replace(_TINY, embedding_tensors=embedding, layer_tensors=layer, num_layers=1, head_tensors=())

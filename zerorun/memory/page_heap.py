@@ -149,15 +149,21 @@ def step_blocks(cfg: RunConfig, plan: Plan, step: int, one_step: int, largest_tr
     return [one_step] * n
 
 
-def grown_at_step(spans: List[int], norm: int, blocks: Sequence[int]) -> int:
+def grown_at_step(spans: List[int], norm: int, blocks: Sequence[int], states: Sequence[int] = ()) -> int:
     """What the optimizer step grows the heap by, its blocks placed in turn in the ``spans`` backward left: first
-    ``norm``, ZeRO-1/2's fp64 copy of the largest gradient slice it takes the norm of (one at a time, freed before
-    the rest), then the step's blocks (alive together, ``best_fit``). A block no free span holds grows the heap at
-    its top, and once freed that top span holds the next (tcmalloc merges new pages with the free span beside
-    them). Logged (bigalloc), MiniLM, ZeRO-2, fp32, SGD, checkpointing, 2 ranks: rank 0's 86.6 MiB norm block grew
-    the heap at every step (131 MiB free in smaller spans), then its span held the step's blocks."""
+    ``norm``, the fp64 copy of the largest gradient slice (ZeRO-1/2) or partition (ZeRO-3) it takes the norm of
+    (one at a time, freed before the rest), then the step's blocks (alive together, ``best_fit``). A block no free
+    span holds grows the heap at its top, and once freed that top span holds the next (tcmalloc merges new pages
+    with the free span beside them). Logged (bigalloc), MiniLM, ZeRO-2, fp32, SGD, checkpointing, 2 ranks: rank 0's
+    86.6 MiB norm block grew the heap at every step (131 MiB free in smaller spans), then its span held the step's
+    blocks. ``states``: the optimizer's states the first step creates (``lazy_state_blocks``), placed in what the
+    step's blocks left; where one takes the norm's span the next step's norm grows the heap once more. Logged, tiny
+    BERT, ZeRO-3, bf16, SGD, one rank: its 29.8 MiB norm grew the heap at steps 1 and 2, the 16.7 MiB momentum
+    having taken the top span (the layers' 25.5 MiB spans held the step's two 16.7 MiB blocks)."""
     top = norm if norm > max(spans, default=0) else 0
-    return top + best_fit([*spans, top], blocks)[1]
+    left, _, unplaced = place([*spans, top], blocks)
+    again = top if top and len(spans) in place(left, states)[1] else 0
+    return top + unplaced + again
 
 
 def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
@@ -175,6 +181,11 @@ def lazy_state_blocks(cfg: RunConfig, plan: Plan, partition: int) -> List[int]:
 def best_fit(spans: List[int], blocks: Sequence[int]) -> Tuple[List[int], int]:
     """Each block placed best fit in turn among the freed ``spans`` (what is left of a span stays free for the
     next): the indices of the spans a block took first, and the bytes no span held (what grows the heap)."""
+    return place(spans, blocks)[1:]
+
+
+def place(spans: List[int], blocks: Sequence[int]) -> Tuple[List[int], List[int], int]:
+    """``best_fit``, with what is left of each span first."""
     left, taken, unplaced = list(spans), [], 0
     for b in blocks:
         if b <= 0:
@@ -187,7 +198,7 @@ def best_fit(spans: List[int], blocks: Sequence[int]) -> Tuple[List[int], int]:
         if left[best] == spans[best]:
             taken.append(best)
         left[best] -= b
-    return taken, unplaced
+    return left, taken, unplaced
 
 
 def spans_taken(spans: List[int], state_blocks: List[int]) -> List[int]:
@@ -227,11 +238,11 @@ def page_heap_bytes(cfg: RunConfig, plan: Plan, act: Activations, phases: Mappin
     # without checkpointing neighbouring layers' may coalesce further: GPT-2 small, ZeRO-1, one rank, micro 15 x 128,
     # logged its 294.5 MiB norm block fitting with 1,829 MiB free (this reads +6% more there); MiniLM, ZeRO-1, fp32,
     # micro 7 x 64 on 2 ranks, held out, read -18.7% without it (rank 0's 86.6 MiB norm, 96 MiB of activations).
+    lazy = lazy_state_blocks(cfg, plan, partition)
     flat = max(grown_at_step(spans_at_step(cfg, plan, act, largest_trainable), phase_item(phases, NORM_BLOCK),
-                             step_blocks(cfg, plan, step, one_step, largest_trainable)),
+                             step_blocks(cfg, plan, step, one_step, largest_trainable), lazy),
                all_reduce if all_reduce > freed else 0)
     logits_block = fp32_logits_block(act)
-    lazy = lazy_state_blocks(cfg, plan, partition)
     # The states are created at the first step, after the loss and the embedding's norm freed their blocks; the
     # next step finds those spans taken and grows the heap by each block again. The norm is allocated at the end
     # of backward, before anything the step frees: where no span the activations freed holds it, it grows the heap

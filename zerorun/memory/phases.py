@@ -9,7 +9,7 @@ from collections import OrderedDict
 from ..config import Dtype, Plan, RunConfig
 from .activations import DTYPE_BYTES, Activations
 from .buffers import (FP64_NORM_BYTES, embedding_grad_transient, first_reduce, partitioned_on_device,
-                      zero0_flatten_bytes, zero_partition)
+                      zero0_flatten_bytes, zero3_step_norm_block, zero_partition)
 from .params import ParamBreakdown
 from .priors import Calibration
 from .states import ModelStates, phase, step_transient
@@ -91,10 +91,10 @@ def step_phases(cfg: RunConfig, plan: Plan, bd: ParamBreakdown, act: Activations
                                             0 if first.word_joins_bucket else bd.word_embedding * g)])
     if stage == 0:
         phases["all-reduce"] = phase([*persistent.items(), ("all-reduce flatten buffer", zero0_flatten_bytes(cfg, bd))])
-    if held:
-        # The step first takes the norm of each gradient slice in the partition as an fp64 copy, one at a time.
-        phases["gradient norm"] = phase([*step_states.items(), *bwd.resident,
-                                         (GRADIENT_NORM, held.largest_slice * FP64_NORM_BYTES)])
+    # The step first takes the norm of each gradient slice in the partition as an fp64 copy, one at a time.
+    norm = held.largest_slice * FP64_NORM_BYTES if held else zero3_step_norm_block(cfg, plan, bd)
+    if norm:
+        phases["gradient norm"] = phase([*step_states.items(), *bwd.resident, (GRADIENT_NORM, norm)])
     phases["optimizer step"] = phase([*step_states.items(), *bwd.resident,
                                       ("optimizer-step transient", step_transient(cfg, plan, bd, part))])
     if stage in (1, 2) and plan.world.accelerator == "cpu" and plan.data_parallel_size > 1:
