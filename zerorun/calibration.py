@@ -35,13 +35,14 @@ from .rundir import RunDir, write_atomic
 CACHE_NAME = "calibration.json"
 BASELINE = "process-baseline"  # calibration.json keys of measured process baselines (not corrections)
 PROBE_STEPS = 3
-RANK_RUNTIME = 6
+RANK_RUNTIME = 7
 """Bumped when zerorun's own rank code changes what a rank holds, or what the estimate counts of a micro rank
 (its runtime overhead is the rest), which package versions do not show in an editable install: measurements made
 before are not reused (2: CPU ranks skip DeepSpeed's shm comm op; 3: GPT-2's gelu_new runs fused: its GeLU saves
 one MLP-wide tensor, not four; 4: a preloaded allocator's page heap from its blocks, memory/page_heap.py; 5: a
 rank's peak is its own VmHWM, where getrusage gave a probe the gate's peak: 16 of 415 stored overheads 4-48 MiB
-high; 6: tcmalloc's caches are the micro rank's measured figure, not the overhead's)."""
+high; 6: tcmalloc's caches are the micro rank's measured figure, not the overhead's; 7: a traced model's micro rank
+is micro, its config.json fields shrunk, not two layers of the real widths; ZeRO-3 counts its step's fp64 norm)."""
 
 
 @functools.lru_cache(maxsize=1)  # what is installed does not change within a process (~0.1 s to read)

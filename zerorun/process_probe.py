@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
+from .arch import hf_fields, traits
+from .arch.config_json import micro_fields, traced_fields
 from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
@@ -38,6 +40,17 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
     model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
                                 from_config_json=False, head_dim=None, num_kv_heads=1 if grouped else None)
+    if traits(m).traced:
+        # A traced model is built from its config.json fields, not the summary above: shrink those, or the micro
+        # rank builds two layers of the real widths and vocabulary (qwen3-8b: 1.6 G parameters), and its overhead
+        # absorbs what the page-heap term makes of that model's start-up (a config.json Phi-3's kind measured 28 MiB
+        # that way, 54 MiB on a micro model; its ranks read -3.8%).
+        fields = micro_fields(hf_fields(m), layers=MICRO["num_layers"], hidden=MICRO["hidden_size"],
+                              heads=MICRO["num_heads"], inner=MICRO["intermediate_size"],
+                              vocab=MICRO["vocab_size"], positions=MICRO_SEQ)
+        summary = traced_fields(m.model_type, {"model_type": m.model_type, **fields}, f"the micro model of {m.name}")
+        summary["family"] = type(m.family)(summary["family"])
+        model = dataclasses.replace(model, **summary)
     off = cfg.offload
     if off.device == OffloadDevice.nvme:
         off = dataclasses.replace(off, device=OffloadDevice.cpu, nvme_path="")

@@ -1,4 +1,5 @@
 """The bound the gate decides on (zerorun/memory/bound.py): above the point, as wide as each term is uncertain."""
+import pytest
 import dataclasses
 
 from hypothesis import assume, given, settings, strategies as st
@@ -179,3 +180,26 @@ def test_the_micro_rank_runs_the_same_kind_of_run_on_a_micro_model(model, stage,
     assert count_params(micro.model) < 500_000 and micro.launcher.nproc_per_node == 1
     assert not micro.model.pretrained and micro.data.seq_len <= micro.model.max_positions
     assert check(micro, plan_world(micro, hw), **ok) == []  # a config the launcher accepts
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("model", ["qwen3-8b", "gemma-2-9b", "gemma-3-1b", "phi-3-mini", "mixtral-8x7b",
+                                   "qwen3-30b-a3b", "modernbert-base", "deberta-v3-base"])
+def test_a_traced_models_micro_rank_is_micro(model):
+    """A traced model is built from its config.json fields: the micro rank shrinks those (before, it built two layers
+    of the real widths and vocabulary: 1.6 G parameters for qwen3-8b), keeping the model type, grouped key/value
+    heads and a token id inside the vocabulary."""
+    from zerorun import process_probe as P
+    from zerorun.arch import hf_fields
+    from zerorun.memory import count_params
+
+    cfg = composed(f"+model={model}")
+    micro = P.micro_config(cfg)
+    fields = hf_fields(micro.model)
+    assert count_params(micro.model) < 3_500_000  # qwen3-30b-a3b keeps its 128 experts: 3.3 M
+    assert micro.model.model_type == cfg.model.model_type and micro.model.num_layers == 2
+    assert fields["vocab_size"] == P.MICRO["vocab_size"] == micro.model.vocab_size
+    assert all(i < fields["vocab_size"] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               for i in ([fields.get(k)] if not isinstance(fields.get(k), list) else fields[k]) if i is not None)
+    grouped = lambda m: (m.num_kv_heads or m.num_heads) < m.num_heads  # noqa: E731
+    assert grouped(micro.model) == grouped(cfg.model)

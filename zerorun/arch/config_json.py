@@ -114,3 +114,41 @@ def _transformers_version() -> str:
     from importlib.metadata import version
 
     return version("transformers")
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id",
+                 "decoder_start_token_id")
+
+
+def micro_fields(d: Dict[str, Any], *, layers: int, hidden: int, heads: int, inner: int, vocab: int,
+                 positions: int) -> Dict[str, Any]:
+    """A config.json's fields at micro size, the same model_type and so the same code paths (what
+    process_probe.py's micro rank builds): every width transformers reads by its standard name shrunk, grouped
+    key/value heads kept grouped, experts and per-layer patterns (Gemma's ``layer_types``) cut to match, token ids
+    inside the smaller vocabulary. Fields of no standard name (rope scaling, soft caps, windows) stay as they are."""
+    out = dict(d)
+    for key, value in d.items():  # widths named after the hidden size (DeBERTa's pooler_hidden_size, embedding_size)
+        if ("hidden" in key or key == "embedding_size") and value == d.get("hidden_size") and key != "hidden_size":
+            out[key] = hidden
+    kv = d.get("num_key_value_heads")
+    out.update(hidden_size=hidden, num_hidden_layers=min(layers, d.get("num_hidden_layers") or layers),
+               num_attention_heads=heads, intermediate_size=inner, vocab_size=vocab)
+    if kv is not None:
+        out["num_key_value_heads"] = 1 if kv < (d.get("num_attention_heads") or kv) else heads
+    if d.get("head_dim") is not None:
+        out["head_dim"] = hidden // heads
+    if d.get("moe_intermediate_size") is not None:
+        out["moe_intermediate_size"] = inner // 2
+    if d.get("max_position_embeddings") is not None:
+        out["max_position_embeddings"] = min(d["max_position_embeddings"], max(positions, 512))
+    pattern = d.get("layer_types")
+    if isinstance(pattern, list) and pattern:
+        kinds = list(dict.fromkeys(pattern))  # one layer of each kind, as a reduced-depth trace keeps them
+        out["layer_types"] = (kinds + [pattern[0]] * out["num_hidden_layers"])[:out["num_hidden_layers"]]
+    for key in TOKEN_ID_KEYS:
+        ids = d.get(key)
+        if isinstance(ids, int) and not isinstance(ids, bool):
+            out[key] = min(ids, vocab - 1)
+        elif isinstance(ids, list):
+            out[key] = [min(i, vocab - 1) if isinstance(i, int) else i for i in ids]
+    return out
