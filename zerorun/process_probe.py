@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from .arch import hf_fields, traits
-from .arch.config_json import micro_fields, traced_fields
+from .arch.config_json import ArchitectureError, micro_fields, traced_fields
 from .config import OffloadDevice, ParallelMode, RunConfig, make_plan, plan_world
 from .config.rules import mmap_threshold_bytes
 from .hardware import Hardware
@@ -36,21 +36,7 @@ def micro_config(cfg: RunConfig) -> RunConfig:
     offload runs as CPU offload (its swap files need a real path and size); a pipeline as a one-stage pipeline (the
     same PipelineEngine and optimizer: a bf16 pipeline at ZeRO-0 steps with BF16_Optimizer, data parallel does not);
     tensor parallelism as one data-parallel rank (a shard group needs several)."""
-    m = cfg.model
-    grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
-    model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
-                                from_config_json=False, head_dim=None, num_kv_heads=1 if grouped else None)
-    if traits(m).traced:
-        # A traced model is built from its config.json fields, not the summary above: shrink those, or the micro
-        # rank builds two layers of the real widths and vocabulary (qwen3-8b: 1.6 G parameters), and its overhead
-        # absorbs what the page-heap term makes of that model's start-up (a config.json Phi-3's kind measured 28 MiB
-        # that way, 54 MiB on a micro model; its ranks read -3.8%).
-        fields = micro_fields(hf_fields(m), layers=MICRO["num_layers"], hidden=MICRO["hidden_size"],
-                              heads=MICRO["num_heads"], inner=MICRO["intermediate_size"],
-                              vocab=MICRO["vocab_size"], positions=MICRO_SEQ)
-        summary = traced_fields(m.model_type, {"model_type": m.model_type, **fields}, f"the micro model of {m.name}")
-        summary["family"] = type(m.family)(summary["family"])
-        model = dataclasses.replace(model, **summary)
+    model = micro_model(cfg.model)
     off = cfg.offload
     if off.device == OffloadDevice.nvme:
         off = dataclasses.replace(off, device=OffloadDevice.cpu, nvme_path="")
@@ -64,6 +50,28 @@ def micro_config(cfg: RunConfig) -> RunConfig:
                               mode=ParallelMode.dp if cfg.parallel.mode == ParallelMode.tp else cfg.parallel.mode)
     return dataclasses.replace(cfg, model=model, offload=off, trainer=tr, launcher=la, parallel=par,
                                data=dataclasses.replace(cfg.data, seq_len=MICRO_SEQ), dry_run=False)
+
+
+def micro_model(m):
+    """``m`` at micro size: 2 layers, hidden 64, vocabulary 512 (MICRO), the same architecture."""
+    grouped = (m.num_kv_heads or m.num_heads) < m.num_heads  # grouped-query attention keeps its K/V sharing
+    model = dataclasses.replace(m, **MICRO, max_positions=max(MICRO_SEQ, 64), pretrained=False,
+                                from_config_json=False, head_dim=None, num_kv_heads=1 if grouped else None)
+    if not traits(m).traced:
+        return model
+    # A traced model is built from its config.json fields, not the summary above: shrink those, or the micro rank
+    # builds two layers of the real widths and vocabulary (qwen3-8b: 1.6 G parameters), and its overhead absorbs
+    # what the page-heap term makes of that model's start-up (a config.json Phi-3's kind measured 28 MiB that way,
+    # 54 MiB on a micro model; its ranks read -3.8%).
+    fields = micro_fields(hf_fields(m), layers=MICRO["num_layers"], hidden=MICRO["hidden_size"],
+                          heads=MICRO["num_heads"], inner=MICRO["intermediate_size"], vocab=MICRO["vocab_size"],
+                          positions=MICRO_SEQ)
+    try:
+        summary = traced_fields(m.model_type, {"model_type": m.model_type, **fields}, f"the micro model of {m.name}")
+    except ArchitectureError:  # a field of no standard name ties two widths: two layers at the real widths
+        return model
+    summary["family"] = type(m.family)(summary["family"])
+    return dataclasses.replace(model, **summary)
 
 
 def overhead_key(cfg: RunConfig, hw: Hardware) -> str:

@@ -203,3 +203,16 @@ def test_a_traced_models_micro_rank_is_micro(model):
                for i in ([fields.get(k)] if not isinstance(fields.get(k), list) else fields[k]) if i is not None)
     grouped = lambda m: (m.num_kv_heads or m.num_heads) < m.num_heads  # noqa: E731
     assert grouped(micro.model) == grouped(cfg.model)
+
+
+def test_a_micro_model_the_trace_refuses_keeps_the_real_fields_rather_than_failing_the_launch(monkeypatch):
+    from zerorun import process_probe as P
+    from zerorun.arch import hf_fields
+    from zerorun.arch.config_json import ArchitectureError
+
+    def refuse(*args):
+        raise ArchitectureError("a width of no standard name")
+    monkeypatch.setattr(P, "traced_fields", refuse)
+    cfg = composed("+model=gemma-3-1b")
+    micro = P.micro_config(cfg)  # before the gate: no exception reaches the user
+    assert hf_fields(micro.model) == hf_fields(cfg.model) and micro.model.num_layers == 2
