@@ -124,8 +124,9 @@ def micro_fields(d: Dict[str, Any], *, layers: int, hidden: int, heads: int, inn
                  positions: int) -> Dict[str, Any]:
     """A config.json's fields at micro size, the same model_type and so the same code paths (what
     process_probe.py's micro rank builds): every width transformers reads by its standard name shrunk, grouped
-    key/value heads kept grouped, experts and per-layer patterns (Gemma's ``layer_types``) cut to match, token ids
-    inside the smaller vocabulary. Fields of no standard name (rope scaling, soft caps, windows) stay as they are."""
+    key/value heads kept grouped, per-layer patterns (Gemma's ``layer_types``) cut to the layers, token ids inside the
+    smaller vocabulary. Experts keep their count (the router's code path), and fields of no standard name (rope
+    scaling, soft caps, windows) stay as they are."""
     out = dict(d)
     for key, value in d.items():  # widths named after the hidden size (DeBERTa's pooler_hidden_size, embedding_size)
         if ("hidden" in key or key == "embedding_size") and value == d.get("hidden_size") and key != "hidden_size":
