@@ -1,7 +1,7 @@
 """The bound the gate decides on (zerorun/memory/bound.py): above the point, as wide as each term is uncertain."""
-import pytest
 import dataclasses
 
+import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from helpers import A100_8, CPU2, CPU_HOST, GPU8, composed

@@ -178,6 +178,7 @@ def test_zero3s_step_norm_grows_the_heap_twice_where_the_momentum_takes_its_span
     assert e.components[PAGE_HEAP_TERM] == pytest.approx(2 * norm, rel=0.01)
 
 
+@pytest.mark.heavy
 def test_zero12_step_blocks_grow_the_heap_on_top_of_the_startup_copies():
     # Sampled (-19.0% before): GPT-2 small ZeRO-1 bf16 SGD, one rank, micro 5 x 176. Start-up: the fp32 model as built
     # (475 MiB), its bf16 cast and DeepSpeed's flat bf16 copy (237 each), the fp32 master and a transient (475 each):

@@ -144,8 +144,9 @@ def micro_fields(d: Dict[str, Any], *, layers: int, hidden: int, heads: int, inn
         out["max_position_embeddings"] = min(d["max_position_embeddings"], max(positions, 512))
     pattern = d.get("layer_types")
     if isinstance(pattern, list) and pattern:
-        kinds = list(dict.fromkeys(pattern))  # one layer of each kind, as a reduced-depth trace keeps them
-        out["layer_types"] = (kinds + [pattern[0]] * out["num_hidden_layers"])[:out["num_hidden_layers"]]
+        from .traced import cut_layer_types
+
+        out["layer_types"] = cut_layer_types(pattern, out["num_hidden_layers"])
     for key in TOKEN_ID_KEYS:
         ids = d.get(key)
         if isinstance(ids, int) and not isinstance(ids, bool):

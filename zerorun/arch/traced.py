@@ -69,6 +69,12 @@ def clean_fields(d: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if k not in DROPPED_KEYS}
 
 
+def cut_layer_types(pattern: List[Any], layers: int) -> List[Any]:
+    """A per-layer pattern (Gemma's sliding/full ``layer_types``) for a copy of ``layers`` layers: one layer of each
+    kind first, then the first layer's again."""
+    return (list(dict.fromkeys(pattern)) + [pattern[0]] * layers)[:layers]
+
+
 def build_config(model_type: str, fields: Dict[str, Any], num_labels: int = 2, layers: Optional[int] = None,
                  dropout_off: bool = False):
     """transformers' config for ``model_type`` from config.json ``fields``; ``layers``: a reduced-depth copy (its
@@ -83,8 +89,7 @@ def build_config(model_type: str, fields: Dict[str, Any], num_labels: int = 2, l
         pattern = getattr(cfg, "layer_types", None)
         cfg.num_hidden_layers = layers
         if isinstance(pattern, list) and pattern:
-            kinds = list(dict.fromkeys(pattern))  # one layer of each kind first, then the first layer's again
-            cfg.layer_types = (kinds + [pattern[0]] * layers)[:layers]
+            cfg.layer_types = cut_layer_types(pattern, layers)
     if dropout_off:
         for k in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
             if isinstance(getattr(cfg, k, None), float):
